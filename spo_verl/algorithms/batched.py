@@ -1,0 +1,115 @@
+"""Tensor versions of the SPO maths for the hot path: whole batches of responses or forests of trees
+at once, with Python loops over tree depth at most (never per token or per node).
+
+The plain functions in ``segments`` and ``advantages`` are the reference these must agree with.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spo_verl.algorithms.advantages import STD_EPS
+
+
+def cutpoint_segment_starts_batched(
+    old_log_probs: torch.Tensor, response_mask: torch.Tensor, threshold: float = 0.9, interval: int = 5
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cutpoints of a (B, T) batch: ``(starts (B, S) long, num_segments (B,) long)``.
+
+    Row b's starts are ``starts[b, :num_segments[b]]``; the padding after them equals T.
+    """
+    if not 0.0 < threshold <= 1.0:
+        raise ValueError(f"threshold must be in (0, 1], got {threshold!r}")
+    if int(interval) != interval or interval < 1:
+        raise ValueError(f"interval must be a positive integer, got {interval!r}")
+    batch_size, length = old_log_probs.shape
+    low = response_mask.bool() & (old_log_probs.exp() < threshold)
+    rank = torch.cumsum(low.long(), dim=-1) - 1
+    selected = low & (rank % int(interval) == 0)
+    num_segments = selected.sum(dim=-1)
+    width = int(num_segments.max().item()) if batch_size else 0
+    positions = torch.arange(length, device=old_log_probs.device).expand(batch_size, length)
+    keyed = torch.where(selected, positions, torch.full_like(positions, length))
+    starts = torch.sort(keyed, dim=-1).values[:, :width]
+    return starts, num_segments
+
+
+def chain_token_advantages_batched(
+    segment_starts: torch.Tensor,
+    boundary_values: torch.Tensor,
+    num_segments: torch.Tensor,
+    rewards: torch.Tensor,
+    response_length: int,
+) -> torch.Tensor:
+    """(B, T) token advantages of a batch of chains (SPO.md 3a), before the probability mask.
+
+    ``segment_starts``/``boundary_values`` are (B, S); only the first ``num_segments[b]`` entries of
+    row b are read. Head tokens before a row's first start, and rows with no segment, get 0.
+    """
+    batch_size, width = segment_starts.shape
+    device = boundary_values.device
+    if width == 0 or batch_size == 0:
+        return torch.zeros(batch_size, response_length, dtype=boundary_values.dtype, device=device)
+    column = torch.arange(width, device=device).expand(batch_size, width)
+    valid = column < num_segments[:, None]
+    # Padding starts sort after every token, so searchsorted never lands a token in them.
+    starts = torch.where(valid, segment_starts, torch.full_like(segment_starts, response_length))
+    values = torch.where(valid, boundary_values, torch.zeros_like(boundary_values))
+    next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], dim=-1)
+    is_last = column == (num_segments[:, None] - 1)
+    next_values = torch.where(is_last, rewards[:, None].to(values.dtype).expand_as(values), next_values)
+    segment_advantages = torch.where(valid, next_values - values, torch.zeros_like(values))
+    positions = torch.arange(response_length, device=device).expand(batch_size, response_length).contiguous()
+    segment_index = torch.searchsorted(starts.contiguous(), positions, right=True) - 1
+    token_advantages = torch.gather(segment_advantages, 1, segment_index.clamp(min=0))
+    return torch.where(segment_index >= 0, token_advantages, torch.zeros_like(token_advantages))
+
+
+def node_depths_batched(parents: torch.Tensor) -> torch.Tensor:
+    """Depth of every node of a forest given as one parent array (roots have parent -1)."""
+    depths = torch.zeros_like(parents)
+    ancestor = parents.clone()
+    for _ in range(parents.numel()):
+        has_ancestor = ancestor >= 0
+        if not bool(has_ancestor.any()):
+            return depths
+        depths += has_ancestor.long()
+        ancestor = torch.where(has_ancestor, parents[ancestor.clamp(min=0)], ancestor)
+    raise ValueError("parents contain a cycle")
+
+
+def tree_values_batched(parents: torch.Tensor, leaf_rewards: torch.Tensor) -> torch.Tensor:
+    """Node values of a forest (SPO.md 3b): leaves take ``leaf_rewards`` (entries of internal nodes are
+    ignored), an internal node the mean of its children's values. One pass per depth level."""
+    num_nodes = parents.numel()
+    has_parent = parents >= 0
+    child_count = torch.zeros(num_nodes, dtype=leaf_rewards.dtype, device=parents.device)
+    child_count.index_add_(0, parents[has_parent], torch.ones_like(leaf_rewards[has_parent]))
+    is_leaf = child_count == 0
+    values = torch.where(is_leaf, leaf_rewards, torch.zeros_like(leaf_rewards))
+    if num_nodes == 0:
+        return values
+    depths = node_depths_batched(parents)
+    for depth in range(int(depths.max().item()), 0, -1):
+        level = depths == depth
+        sums = torch.zeros_like(values).index_add_(0, parents[level], values[level])
+        parents_of_level = (depths == depth - 1) & ~is_leaf
+        values = torch.where(parents_of_level, sums / child_count.clamp(min=1), values)
+    return values
+
+
+def tree_advantages_batched(parents: torch.Tensor, values: torch.Tensor, std_normalize: bool = False) -> torch.Tensor:
+    """``V(n) - V(parent)`` for every node of a forest, 0 for roots; optionally divided by the population
+    std of the siblings' values plus 1e-8."""
+    has_parent = parents >= 0
+    parent_index = parents.clamp(min=0)
+    advantages = torch.where(has_parent, values - values[parent_index], torch.zeros_like(values))
+    if not std_normalize or values.numel() == 0:
+        return advantages
+    counts = torch.zeros_like(values).index_add_(0, parents[has_parent], torch.ones_like(values[has_parent]))
+    sums = torch.zeros_like(values).index_add_(0, parents[has_parent], values[has_parent])
+    sibling_mean = sums / counts.clamp(min=1)
+    deviation = torch.where(has_parent, values - sibling_mean[parent_index], torch.zeros_like(values))
+    squares = torch.zeros_like(values).index_add_(0, parents[has_parent], deviation[has_parent] ** 2)
+    sibling_std = torch.sqrt(squares / counts.clamp(min=1))
+    return torch.where(has_parent, advantages / (sibling_std[parent_index] + STD_EPS), advantages)

@@ -1,0 +1,61 @@
+"""Segment partitions of one response (SPO.md section 2). Plain Python, the readable reference."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+
+def _check_threshold(threshold: float) -> None:
+    if not 0.0 < threshold <= 1.0:
+        raise ValueError(f"threshold must be in (0, 1], got {threshold!r}")
+
+
+def low_probability_positions(token_probs: Sequence[float], threshold: float = 0.9) -> list[int]:
+    """Indices t with p_t < threshold: the places where the policy could have branched."""
+    _check_threshold(threshold)
+    return [t for t, p in enumerate(token_probs) if p < threshold]
+
+
+def cutpoint_segment_starts(token_probs: Sequence[float], threshold: float = 0.9, interval: int = 5) -> list[int]:
+    """Start index of each SPO-chain segment (SPO.md 2a).
+
+    Every ``interval``-th low-probability token starts a segment, beginning with the first one;
+    no low-probability token means no segment (all advantages 0).
+    """
+    if int(interval) != interval or interval < 1:
+        raise ValueError(f"interval must be a positive integer, got {interval!r}")
+    return low_probability_positions(token_probs, threshold)[:: int(interval)]
+
+
+def fixed_count_segment_starts(num_tokens: int, num_segments: int) -> list[int]:
+    """Split ``num_tokens`` into ``num_segments`` near-equal chunks (longer chunks first).
+
+    Fewer tokens than segments gives one segment per token; an empty response gives none.
+    """
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens!r}")
+    if int(num_segments) != num_segments or num_segments < 1:
+        raise ValueError(f"num_segments must be a positive integer, got {num_segments!r}")
+    count = min(int(num_segments), num_tokens)
+    if count == 0:
+        return []
+    base, extra = divmod(num_tokens, count)
+    starts, position = [], 0
+    for j in range(count):
+        starts.append(position)
+        position += base + (1 if j < extra else 0)
+    return starts
+
+
+def delimiter_segment_starts(token_ids: Sequence[int], delimiter_ids: Collection[int]) -> list[int]:
+    """Reasoning-step partition (VinePPO style, SPO.md 2c).
+
+    The first segment starts at token 0 and every token right after a delimiter token (e.g. the
+    id of a blank line) starts a new one; a trailing delimiter opens no empty segment.
+    """
+    if not token_ids:
+        return []
+    delimiters = set(delimiter_ids)
+    starts = [0]
+    starts.extend(t + 1 for t, token in enumerate(token_ids[:-1]) if token in delimiters)
+    return starts

@@ -1,0 +1,131 @@
+"""From per-leaf rows (what the tree rollout returns, one row per leaf) to token advantages.
+
+Each row carries its tree's id, the node ids along its root-to-leaf path (the root itself is not
+listed) and the end offset of each node's segment in the row's response. Rows of one tree share the
+ids of shared prefix nodes. The rows are turned into one forest and evaluated with the batched
+functions, so a whole training batch costs one pass per tree depth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from spo_verl.algorithms.batched import node_depths_batched, tree_advantages_batched, tree_values_batched
+
+
+@dataclass
+class TreeBatchAdvantages:
+    token_advantages: torch.Tensor  # (B, T) advantage of the segment each token belongs to, 0 elsewhere
+    trained_mask: torch.Tensor  # (B, T) tokens whose segment this row trains (once per segment)
+    node_values: torch.Tensor  # (N,) V of every node of the forest, roots included
+    node_advantages: torch.Tensor  # (N,)
+    node_depths: torch.Tensor  # (N,) roots are depth 0
+
+
+@dataclass
+class _Forest:
+    parents: list[int]
+    row_nodes: list[list[int]]  # global node index of each path node, per row (empty for skipped rows)
+
+
+def _build_forest(tree_ids: Sequence[Hashable | None], paths: Sequence[Sequence[int] | None]) -> _Forest:
+    index: dict[tuple, int] = {}
+    parents: list[int] = []
+    leaf_rows: dict[int, int] = {}
+    row_nodes: list[list[int]] = []
+
+    def node_index(key: tuple, parent: int) -> int:
+        if key not in index:
+            index[key] = len(parents)
+            parents.append(parent)
+        elif parents[index[key]] != parent:
+            raise ValueError(f"tree {key[0]!r}: node {key[1]!r} appears under two different parents")
+        return index[key]
+
+    for row, (tree_id, path) in enumerate(zip(tree_ids, paths)):
+        if tree_id is None:
+            row_nodes.append([])
+            continue
+        if not path:
+            raise ValueError(f"row {row} of tree {tree_id!r} has an empty path")
+        current = node_index((tree_id, "root"), -1)
+        nodes = []
+        for node in path:
+            current = node_index((tree_id, node), current)
+            nodes.append(current)
+        if current in leaf_rows:
+            raise ValueError(f"tree {tree_id!r}: leaf {path[-1]!r} is returned by rows {leaf_rows[current]} and {row}")
+        leaf_rows[current] = row
+        row_nodes.append(nodes)
+    has_children = {p for p in parents if p >= 0}
+    for leaf, row in leaf_rows.items():
+        if leaf in has_children:
+            raise ValueError(f"row {row} ends at a node that has children in other rows")
+    return _Forest(parents, row_nodes)
+
+
+def tree_token_advantages(
+    tree_ids: Sequence[Hashable | None],
+    paths: Sequence[Sequence[int] | None],
+    segment_ends: Sequence[Sequence[int] | None],
+    rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    std_normalize: bool = False,
+    drop_zero_advantage: bool = True,
+) -> TreeBatchAdvantages:
+    """Token advantages for a batch of leaf rows (SPO.md 3b).
+
+    Rows whose ``tree_id`` is None (e.g. verl's padding rows) get advantage 0 and train nothing.
+    ``trained_mask`` gives each segment to exactly one row (the first that contains it), so a segment
+    shared by many leaves is trained once, as in the reference; with ``drop_zero_advantage`` segments
+    whose advantage is exactly 0 (e.g. all siblings equal) are not trained at all.
+    """
+    batch_size, length = response_mask.shape
+    device = rewards.device
+    forest = _build_forest(tree_ids, paths)
+    parents = torch.tensor(forest.parents, dtype=torch.long, device=device)
+    leaf_rewards = torch.zeros(len(forest.parents), dtype=torch.float32, device=device)
+    width = max((len(nodes) for nodes in forest.row_nodes), default=0)
+    node_table = torch.full((batch_size, max(width, 1)), -1, dtype=torch.long)
+    end_table = torch.full((batch_size, max(width, 1)), length + 1, dtype=torch.long)
+    for row, nodes in enumerate(forest.row_nodes):
+        if not nodes:
+            continue
+        ends = list(segment_ends[row])
+        if len(ends) != len(nodes) or any(b <= a for a, b in zip([0] + ends, ends)) or ends[-1] > length:
+            raise ValueError(
+                f"row {row}: segment_ends must be {len(nodes)} increasing offsets ending at most at the response "
+                f"length {length}, got {ends}"
+            )
+        node_table[row, : len(nodes)] = torch.tensor(nodes)
+        end_table[row, : len(nodes)] = torch.tensor(ends)
+        leaf_rewards[nodes[-1]] = rewards[row].float()
+    node_table, end_table = node_table.to(device), end_table.to(device)
+
+    values = tree_values_batched(parents, leaf_rewards)
+    node_advantages = tree_advantages_batched(parents, values, std_normalize=std_normalize)
+
+    positions = torch.arange(length, device=device).expand(batch_size, length).contiguous()
+    segment = torch.searchsorted(end_table, positions, right=True).clamp(max=node_table.shape[1] - 1)
+    node = torch.gather(node_table, 1, segment)
+    inside = (node >= 0) & (positions < end_table.gather(1, segment)) & response_mask.bool()
+    safe_node = node.clamp(min=0)
+    token_advantages = torch.where(inside, node_advantages[safe_node], torch.zeros((), device=device))
+
+    rows = torch.arange(batch_size, device=device)[:, None].expand_as(node_table)
+    present = node_table >= 0
+    owner = torch.full((len(forest.parents),), batch_size, dtype=torch.long, device=device)
+    owner.scatter_reduce_(0, node_table[present], rows[present], reduce="amin")
+    trained = inside & (owner[safe_node] == torch.arange(batch_size, device=device)[:, None])
+    if drop_zero_advantage:
+        trained &= node_advantages[safe_node] != 0
+    return TreeBatchAdvantages(
+        token_advantages=token_advantages.to(rewards.dtype),
+        trained_mask=trained,
+        node_values=values,
+        node_advantages=node_advantages,
+        node_depths=node_depths_batched(parents),
+    )

@@ -1,0 +1,45 @@
+"""Hands per-trajectory SPO metadata from a trainer adapter to the registered estimators.
+
+verl calls an advantage estimator with rewards, masks, uids and ``config`` only. A trainer adapter
+collects the rollout's metadata (``extra_fields["spo"]`` of each trajectory) in batch order and
+calls verl's own advantage step inside ``provide_spo_rows(rows)``; the estimator reads the rows
+from here and leaves what the trainer needs back (the mask of tokens to train) on the same object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# Key of the SPO metadata in AgentLoopOutput.extra_fields (and so a non_tensor_batch column).
+SPO_FIELD = "spo"
+
+
+@dataclass
+class SPOBatchContext:
+    rows: list[Mapping[str, Any] | None]
+    trained_mask: torch.Tensor | None = None  # (B, T) set by the estimator; None means "train every token"
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+_current: contextvars.ContextVar[SPOBatchContext | None] = contextvars.ContextVar("spo_batch_context", default=None)
+
+
+@contextlib.contextmanager
+def provide_spo_rows(rows: Sequence[Mapping[str, Any] | None]) -> Iterator[SPOBatchContext]:
+    """Make ``rows`` (one SPO metadata dict per batch row, None for padding rows) visible to the estimators."""
+    context = SPOBatchContext(rows=list(rows))
+    token = _current.set(context)
+    try:
+        yield context
+    finally:
+        _current.reset(token)
+
+
+def current_spo_context() -> SPOBatchContext | None:
+    return _current.get()

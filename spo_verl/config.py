@@ -1,0 +1,199 @@
+"""SPO settings: one namespace, ``algorithm.spo.*``, with the paper's defaults (SPO.md section 5).
+
+No verl import: parsing a mapping (a dict or an OmegaConf node) into frozen dataclasses, with an
+error that names the key and the allowed values for anything invalid. verl adapters call
+``parse_spo_settings`` at configuration time, before any GPU time is spent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+NAMESPACE = "algorithm.spo"
+LOSS_NORMALIZATIONS = ("reference", "verl")
+CHAIN_PARTITIONS = ("cutpoint", "fixed_count", "delimiter")
+
+
+class SPOConfigError(ValueError):
+    """An ``algorithm.spo.*`` setting is invalid."""
+
+
+@dataclass(frozen=True)
+class ProbMaskSettings:
+    """The probability mask of the policy loss (SPO.md 4).
+
+    normalization:
+      ``reference``: as the SPO reference code, per micro-batch: advantages whitened over the
+      masked-in tokens, PPO-clip averaged over the masked-in tokens, k3 KL to the reference model
+      summed over masked-in tokens and averaged over sequences. Micro-batches are combined by their
+      share of the mini-batch's response tokens (verl's global normalisation).
+      ``verl``: verl's own aggregation (``actor.loss_agg_mode``) with the probability mask as the
+      loss mask; advantages as the estimator gave them; verl's KL loss. The denominator is verl's
+      global response-token count, so the step shrinks with the masked-in fraction.
+    """
+
+    threshold: float = 0.9
+    normalization: str = "reference"
+
+
+@dataclass(frozen=True)
+class ChainSettings:
+    """SPO-chain (SPO.md 2a, 2c, 3a); the paper's headline is cutpoint int5 with 9 MC samples."""
+
+    partition: str = "cutpoint"
+    cutpoint_threshold: float = 0.9
+    cutpoint_interval: int = 5
+    num_segments: int = 4
+    delimiter: str = "\n\n"
+    mc_samples: int = 9
+
+
+@dataclass(frozen=True)
+class TreeSettings:
+    """SPO-tree (SPO.md 2b, 3b); the paper's headline is 6-6-6 with 600-token segments on MATH.
+
+    ``segment_tokens`` is the token budget of each depth but the last (which runs to EOS or the
+    response limit): one number for every depth, or one per depth.
+    ``max_trained_segments_per_prompt``: null trains every segment (on-policy); the reference
+    samples 32 per prompt and keeps the rest in a replay buffer.
+    """
+
+    branching: tuple[int, ...] = (6, 6, 6)
+    segment_tokens: tuple[int, ...] = (600, 600)
+    std_normalize: bool = False
+    drop_zero_advantage: bool = True
+    max_trained_segments_per_prompt: int | None = None
+
+
+@dataclass(frozen=True)
+class SPOSettings:
+    prob_mask: ProbMaskSettings = field(default_factory=ProbMaskSettings)
+    chain: ChainSettings = field(default_factory=ChainSettings)
+    tree: TreeSettings = field(default_factory=TreeSettings)
+
+
+def _fail(key: str, allowed: str, value: Any) -> SPOConfigError:
+    return SPOConfigError(f"{key} must be {allowed}, got {value!r}")
+
+
+def _probability(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 < value <= 1.0:
+        raise _fail(key, "a number in (0, 1]", value)
+    return float(value)
+
+
+def _positive_int(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _fail(key, "a positive integer", value)
+    return value
+
+
+def _choice(allowed: Sequence[str]):
+    def check(key: str, value: Any) -> str:
+        if value not in allowed:
+            raise _fail(key, f"one of {list(allowed)}", value)
+        return value
+
+    return check
+
+
+def _boolean(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(key, "true or false", value)
+    return value
+
+
+def _text(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise _fail(key, "a non-empty string", value)
+    return value
+
+
+def _positive_int_list(key: str, value: Any) -> tuple[int, ...]:
+    if isinstance(value, str) or not isinstance(value, Sequence) or len(value) == 0:
+        raise _fail(key, "a non-empty list of positive integers", value)
+    return tuple(_positive_int(f"{key}[{i}]", item) for i, item in enumerate(value))
+
+
+def _optional_positive_int(key: str, value: Any) -> int | None:
+    return None if value is None else _positive_int(key, value)
+
+
+def _int_or_int_list(key: str, value: Any) -> tuple[int, ...]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (_positive_int(key, value),)
+    return _positive_int_list(key, value)
+
+
+_CHECKS = {
+    "prob_mask.threshold": _probability,
+    "prob_mask.normalization": _choice(LOSS_NORMALIZATIONS),
+    "chain.partition": _choice(CHAIN_PARTITIONS),
+    "chain.cutpoint_threshold": _probability,
+    "chain.cutpoint_interval": _positive_int,
+    "chain.num_segments": _positive_int,
+    "chain.delimiter": _text,
+    "chain.mc_samples": _positive_int,
+    "tree.branching": _positive_int_list,
+    "tree.segment_tokens": _int_or_int_list,
+    "tree.std_normalize": _boolean,
+    "tree.drop_zero_advantage": _boolean,
+    "tree.max_trained_segments_per_prompt": _optional_positive_int,
+}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, DictConfig | ListConfig):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+def _parse_section(cls: type, raw: Any, prefix: str) -> Any:
+    raw = _plain(raw)
+    if raw is None:
+        return cls()
+    if not isinstance(raw, Mapping):
+        raise _fail(prefix, "a mapping", raw)
+    names = [f.name for f in fields(cls)]
+    unknown = sorted(set(raw) - set(names))
+    if unknown:
+        raise SPOConfigError(f"unknown setting(s) {[f'{prefix}.{k}' for k in unknown]}; {prefix} accepts {names}")
+    values = {}
+    for f in fields(cls):
+        if f.name not in raw:
+            continue
+        key = f"{prefix}.{f.name}"
+        default = f.default_factory() if callable(f.default_factory) else f.default
+        if is_dataclass(default):
+            values[f.name] = _parse_section(type(default), raw[f.name], key)
+        else:
+            values[f.name] = _CHECKS[key.removeprefix(f"{NAMESPACE}.")](key, raw[f.name])
+    return cls(**values)
+
+
+def _check_tree_shape(tree: TreeSettings) -> None:
+    inner_depths = len(tree.branching) - 1
+    if len(tree.segment_tokens) not in (1, inner_depths) and inner_depths > 0:
+        raise SPOConfigError(
+            f"{NAMESPACE}.tree.segment_tokens must be one number or {inner_depths} numbers (one per depth but the "
+            f"last of branching {list(tree.branching)}), got {list(tree.segment_tokens)}"
+        )
+
+
+def parse_spo_settings(raw: Mapping | None) -> SPOSettings:
+    """``algorithm.spo`` (a dict, an OmegaConf node or None for all defaults) to validated settings."""
+    settings = _parse_section(SPOSettings, raw, NAMESPACE)
+    _check_tree_shape(settings.tree)
+    return settings
+
+
+def tree_segment_budgets(tree: TreeSettings) -> tuple[int, ...]:
+    """Token budget of every depth but the last, one entry per depth."""
+    inner_depths = len(tree.branching) - 1
+    if len(tree.segment_tokens) == 1:
+        return tree.segment_tokens * inner_depths
+    return tree.segment_tokens

@@ -1,0 +1,149 @@
+"""verl adapters: the ``spo_chain`` and ``spo_tree`` advantage estimators.
+
+Both take verl's estimator arguments and read the segment/tree metadata of each row from
+``spo_verl.batch_context``, where the SPO trainer adapters put it; the maths is in
+``spo_verl.algorithms``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from verl.trainer.ppo.core_algos import register_adv_est
+
+from spo_verl.algorithms.batched import chain_token_advantages_batched
+from spo_verl.algorithms.tree_rows import tree_token_advantages
+from spo_verl.batch_context import SPO_FIELD, SPOBatchContext, current_spo_context
+from spo_verl.config import parse_spo_settings
+
+PADDING_UID_PREFIX = "pad"  # verl's upsample_batch_to_divisible_size names its rows "pad<hex>"
+
+
+class SPOMetadataMissingError(RuntimeError):
+    pass
+
+
+def _missing_metadata(estimator: str) -> SPOMetadataMissingError:
+    return SPOMetadataMissingError(
+        f"algorithm.adv_estimator={estimator} needs the per-response SPO metadata (extra_fields['{SPO_FIELD}']) "
+        f"that the '{estimator}' agent loop produces and the SPO trainer hands to the estimator. Set "
+        f"actor_rollout_ref.rollout.agent.default_agent_loop={estimator} and launch through the SPO recipe "
+        f"(python -m recipe.spo.main_spo, or scripts/run_{estimator}.sh), which installs that trainer."
+    )
+
+
+def _padding_rows(index: Any, batch_size: int) -> np.ndarray:
+    if index is None:
+        return np.zeros(batch_size, dtype=bool)
+    return np.array([str(uid).startswith(PADDING_UID_PREFIX) for uid in index], dtype=bool)
+
+
+def _rows_for(estimator: str, batch_size: int, index: Any, spo_rows: Sequence | None) -> tuple[list, SPOBatchContext | None]:
+    context = current_spo_context()
+    rows = spo_rows if spo_rows is not None else (context.rows if context is not None else None)
+    if rows is None:
+        raise _missing_metadata(estimator)
+    if len(rows) != batch_size:
+        raise ValueError(f"{estimator}: {len(rows)} metadata rows for a batch of {batch_size}")
+    padding = _padding_rows(index, batch_size)
+    rows = [None if pad else row for row, pad in zip(rows, padding)]
+    if batch_size and all(row is None for row in rows) and not padding.all():
+        raise _missing_metadata(estimator)
+    return rows, context
+
+
+def _field(row: Mapping, key: str, estimator: str) -> Any:
+    if key not in row:
+        raise SPOMetadataMissingError(f"{estimator}: a row's SPO metadata has no '{key}' (got keys {sorted(row)})")
+    return row[key]
+
+
+@register_adv_est("spo_chain")
+def compute_spo_chain_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray | None = None,
+    config: Any = None,
+    spo_rows: Sequence[Mapping | None] | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SPO-chain (SPO.md 3a): ``A_j = V_{j+1} - V_j`` broadcast to the tokens of segment j.
+
+    Row metadata: ``segment_starts`` (token offsets) and ``boundary_values`` (MC value of the prefix
+    before each start). The reward R is the row's summed token-level reward.
+    """
+    batch_size, length = response_mask.shape
+    rows, _ = _rows_for("spo_chain", batch_size, index, spo_rows)
+    width = max((len(_field(row, "segment_starts", "spo_chain")) for row in rows if row is not None), default=0)
+    starts = torch.zeros(batch_size, width, dtype=torch.long)
+    values = torch.zeros(batch_size, width, dtype=torch.float32)
+    counts = torch.zeros(batch_size, dtype=torch.long)
+    valid_lengths = response_mask.sum(dim=-1).tolist()
+    for b, row in enumerate(rows):
+        if row is None:
+            continue
+        row_starts = list(_field(row, "segment_starts", "spo_chain"))
+        row_values = list(_field(row, "boundary_values", "spo_chain"))
+        if len(row_values) != len(row_starts):
+            raise ValueError(f"spo_chain row {b}: {len(row_starts)} segment starts but {len(row_values)} values")
+        if any(b2 <= a for a, b2 in zip(row_starts, row_starts[1:])) or any(
+            not 0 <= s < max(valid_lengths[b], 1) for s in row_starts
+        ):
+            raise ValueError(f"spo_chain row {b}: segment starts {row_starts} are not increasing offsets in the response")
+        counts[b] = len(row_starts)
+        starts[b, : len(row_starts)] = torch.tensor(row_starts, dtype=torch.long)
+        values[b, : len(row_values)] = torch.tensor(row_values, dtype=torch.float32)
+    rewards = token_level_rewards.sum(dim=-1)
+    device = token_level_rewards.device
+    advantages = chain_token_advantages_batched(
+        starts.to(device), values.to(device), counts.to(device), rewards.float(), length
+    )
+    advantages = advantages.to(token_level_rewards.dtype) * response_mask
+    return advantages, advantages
+
+
+@register_adv_est("spo_tree")
+def compute_spo_tree_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray | None = None,
+    config: Any = None,
+    spo_rows: Sequence[Mapping | None] | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SPO-tree (SPO.md 3b): leaf rewards -> node values (mean of children) -> ``V(n) - V(parent)``.
+
+    Row metadata (one row per leaf): ``path`` (node ids from the root's child to the leaf) and
+    ``segment_ends`` (response offset where each path node's segment ends); the tree is the row's
+    ``tree_id`` if given, else its uid. Each segment is trained by one row only; the mask of trained
+    tokens is left on the batch context for the trainer to apply to the loss.
+    """
+    batch_size, _ = response_mask.shape
+    rows, context = _rows_for("spo_tree", batch_size, index, spo_rows)
+    settings = parse_spo_settings(config.get("spo") if config is not None else None).tree
+    tree_ids, paths, ends = [], [], []
+    for b, row in enumerate(rows):
+        if row is None:
+            tree_ids.append(None), paths.append(None), ends.append(None)
+            continue
+        tree_ids.append(row.get("tree_id", index[b] if index is not None else None))
+        if tree_ids[-1] is None:
+            raise ValueError(f"spo_tree row {b}: no tree_id in its metadata and no uid to group by")
+        paths.append(list(_field(row, "path", "spo_tree")))
+        ends.append(list(_field(row, "segment_ends", "spo_tree")))
+    result = tree_token_advantages(
+        tree_ids,
+        paths,
+        ends,
+        rewards=token_level_rewards.sum(dim=-1),
+        response_mask=response_mask,
+        std_normalize=settings.std_normalize,
+        drop_zero_advantage=settings.drop_zero_advantage,
+    )
+    if context is not None:
+        context.trained_mask = result.trained_mask
+    advantages = result.token_advantages * result.trained_mask.to(result.token_advantages.dtype)
+    return advantages, advantages
