@@ -31,9 +31,10 @@ class ProbMaskSettings:
       masked-in tokens, PPO-clip averaged over the masked-in tokens, k3 KL to the reference model
       summed over masked-in tokens and averaged over sequences. Micro-batches are combined by their
       share of the mini-batch's response tokens (verl's global normalisation).
-      ``verl``: verl's own aggregation (``actor.loss_agg_mode``) with the probability mask as the
-      loss mask; advantages as the estimator gave them; verl's KL loss. The denominator is verl's
-      global response-token count, so the step shrinks with the masked-in fraction.
+      ``verl``: verl's ``vanilla`` PPO loss and aggregation (``actor.loss_agg_mode``) with the
+      advantage of masked-out tokens set to 0; advantages as the estimator gave them; verl's KL
+      loss over all response tokens. The denominator stays verl's global response-token count, so
+      the step shrinks with the masked-in fraction.
     """
 
     threshold: float = 0.9

@@ -72,14 +72,16 @@ def compute_policy_loss_spo_prob_mask(
     """PPO-clip on the tokens with ``p_old < algorithm.spo.prob_mask.threshold``.
 
     ``normalization: reference`` follows the SPO reference per micro-batch (whitened advantages, mean
-    over masked-in tokens); ``verl`` is verl's ``vanilla`` loss with the probability mask as loss mask.
+    over masked-in tokens); ``verl`` is verl's ``vanilla`` loss with the advantage of masked-out tokens set to 0.
     """
     settings = prob_mask_settings(config)
     mask = probability_mask(old_log_prob, response_mask, settings.threshold)
     metrics = {"spo/prob_mask/masked_fraction": masked_mean(mask.float(), response_mask).item()}
     if settings.normalization == "verl":
+        # Zero advantage outside the mask, keep verl's loss mask: the masked-out tokens add nothing to
+        # the sum and verl's aggregation keeps its own denominator (the global response-token count).
         loss, vanilla_metrics = compute_policy_loss_vanilla(
-            old_log_prob, log_prob, advantages, mask, loss_agg_mode, config, rollout_is_weights
+            old_log_prob, log_prob, advantages * mask, response_mask, loss_agg_mode, config, rollout_is_weights
         )
         return loss, {**vanilla_metrics, **metrics}
 

@@ -69,7 +69,7 @@ def node_depths_batched(parents: torch.Tensor) -> torch.Tensor:
     """Depth of every node of a forest given as one parent array (roots have parent -1)."""
     depths = torch.zeros_like(parents)
     ancestor = parents.clone()
-    for _ in range(parents.numel()):
+    for _ in range(parents.numel() + 1):
         has_ancestor = ancestor >= 0
         if not bool(has_ancestor.any()):
             return depths

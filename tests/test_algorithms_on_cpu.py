@@ -1,0 +1,254 @@
+"""SPO maths: the worked examples of SPO.md section 6, exactly, and properties on random inputs."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from spo_verl.algorithms import (
+    chain_token_advantages,
+    chain_token_advantages_batched,
+    cutpoint_segment_starts,
+    cutpoint_segment_starts_batched,
+    delimiter_segment_starts,
+    fixed_count_segment_starts,
+    probability_mask,
+    tree_advantages,
+    tree_advantages_batched,
+    tree_values,
+    tree_values_batched,
+)
+
+CHAIN_PROBS = [0.99, 0.72, 1.0, 0.85, 1.0, 0.56, 0.92, 0.23, 0.98, 0.11, 1.0]
+# The paper's figure: root 0 with children a=1, b=2, c=3, each with three leaves.
+PAPER_PARENTS = [-1, 0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+PAPER_LEAF_REWARDS = dict(zip(range(4, 13), [1, 0, 1, 1, 1, 1, 0, 0, 0]))
+
+
+def test_chain_worked_example():
+    starts = cutpoint_segment_starts(CHAIN_PROBS, threshold=0.9, interval=2)
+    assert starts == [1, 5, 9]
+    advantages = chain_token_advantages(len(CHAIN_PROBS), starts, [0.5, 0.25, 0.75], 1.0)
+    assert advantages == pytest.approx([0, -0.25, -0.25, -0.25, -0.25, 0.5, 0.5, 0.5, 0.5, 0.25, 0.25])
+    log_probs = torch.tensor(CHAIN_PROBS).log()
+    mask = probability_mask(log_probs, torch.ones(len(CHAIN_PROBS)), threshold=0.9)
+    masked = (torch.tensor(advantages) * mask).tolist()
+    assert masked == pytest.approx([0, -0.25, 0, -0.25, 0, 0.5, 0, 0.5, 0, 0.25, 0])
+
+
+def test_cutpoint_intervals():
+    assert cutpoint_segment_starts(CHAIN_PROBS, 0.9, 1) == [1, 3, 5, 7, 9]
+    assert cutpoint_segment_starts(CHAIN_PROBS, 0.9, 5) == [1]
+    assert cutpoint_segment_starts(CHAIN_PROBS, 0.5, 1) == [7, 9]
+    assert cutpoint_segment_starts([1.0, 0.95], 0.9, 5) == []
+    assert cutpoint_segment_starts([], 0.9, 5) == []
+    with pytest.raises(ValueError, match="interval"):
+        cutpoint_segment_starts(CHAIN_PROBS, 0.9, 0)
+    with pytest.raises(ValueError, match="threshold"):
+        cutpoint_segment_starts(CHAIN_PROBS, 1.5, 2)
+
+
+def test_chain_head_without_cutpoint_and_no_cutpoint_at_all():
+    assert chain_token_advantages(4, [2], [0.25], 1.0) == [0, 0, 0.75, 0.75]
+    assert chain_token_advantages(3, [], [], 1.0) == [0, 0, 0]
+    assert chain_token_advantages(0, [], [], 1.0) == []
+    # A cutpoint at token 0: its boundary state is the bare prompt.
+    assert chain_token_advantages(2, [0], [0.5], 0.0) == [-0.5, -0.5]
+
+
+def test_chain_rejects_inconsistent_segments():
+    with pytest.raises(ValueError, match="one boundary value per segment"):
+        chain_token_advantages(4, [1, 2], [0.5], 1.0)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        chain_token_advantages(4, [2, 1], [0.5, 0.5], 1.0)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        chain_token_advantages(4, [4], [0.5], 1.0)
+
+
+def test_chain_single_segment_gives_reward_minus_value():
+    rng = random.Random(0)
+    for _ in range(50):
+        n = rng.randint(1, 20)
+        start = rng.randrange(n)
+        value, reward = rng.random(), rng.choice([0.0, 1.0])
+        advantages = chain_token_advantages(n, [start], [value], reward)
+        assert advantages[:start] == [0.0] * start
+        assert advantages[start:] == pytest.approx([reward - value] * (n - start))
+
+
+def test_fixed_count_and_delimiter_partitions():
+    assert fixed_count_segment_starts(10, 3) == [0, 4, 7]
+    assert fixed_count_segment_starts(9, 3) == [0, 3, 6]
+    assert fixed_count_segment_starts(2, 5) == [0, 1]
+    assert fixed_count_segment_starts(0, 3) == []
+    with pytest.raises(ValueError, match="num_segments"):
+        fixed_count_segment_starts(10, 0)
+    newline = 7
+    assert delimiter_segment_starts([1, 2, newline, 3, newline, 4], {newline}) == [0, 3, 5]
+    assert delimiter_segment_starts([1, newline], {newline}) == [0]
+    assert delimiter_segment_starts([1, 2], {newline}) == [0]
+    assert delimiter_segment_starts([], {newline}) == []
+
+
+def test_tree_worked_example():
+    values = tree_values(PAPER_PARENTS, PAPER_LEAF_REWARDS)
+    assert values[:4] == pytest.approx([5 / 9, 2 / 3, 1.0, 0.0])
+    advantages = tree_advantages(PAPER_PARENTS, values)
+    assert advantages[:4] == pytest.approx([0, 1 / 9, 4 / 9, -5 / 9])
+    assert advantages[4:7] == pytest.approx([1 / 3, -2 / 3, 1 / 3])
+    assert advantages[7:] == [0.0] * 6
+
+
+def test_tree_worked_example_std_normalized():
+    values = tree_values(PAPER_PARENTS, PAPER_LEAF_REWARDS)
+    advantages = tree_advantages(PAPER_PARENTS, values, std_normalize=True)
+    assert advantages[1:4] == pytest.approx([0.26726, 1.06904, -1.33631], abs=1e-5)
+    assert advantages[4:7] == pytest.approx([0.70711, -1.41421, 0.70711], abs=1e-5)
+    assert advantages[7:] == [0.0] * 6
+
+
+def test_tree_value_is_mean_of_children_not_of_leaves():
+    # Node 1 stopped early (a leaf at depth 1); node 2 has two leaves.
+    parents = [-1, 0, 0, 2, 2]
+    values = tree_values(parents, {1: 1.0, 3: 0.0, 4: 1.0})
+    assert values == pytest.approx([0.75, 1.0, 0.5, 0.0, 1.0])  # mean over leaves would be 2/3
+
+
+def test_tree_rejects_bad_input():
+    with pytest.raises(ValueError, match="root"):
+        tree_values([0, 0], {1: 1.0})
+    with pytest.raises(ValueError, match="leaves"):
+        tree_values([-1, 0, 0], {1: 1.0})
+    with pytest.raises(ValueError, match="cycle"):
+        tree_values([-1, 2, 1], {})
+
+
+def random_tree(rng, branching_choices=(1, 2, 3, 4), max_depth=3, stop_probability=0.25):
+    parents, frontier = [-1], [(0, 0)]
+    while frontier:
+        node, depth = frontier.pop()
+        if depth == max_depth or (depth > 0 and rng.random() < stop_probability):
+            continue
+        for _ in range(rng.choice(branching_choices)):
+            parents.append(node)
+            frontier.append((len(parents) - 1, depth + 1))
+    has_children = set(parents[1:])
+    rewards = {n: rng.choice([0.0, 1.0, rng.random()]) for n in range(len(parents)) if n not in has_children}
+    return parents, rewards
+
+
+def test_siblings_are_centred_and_batched_tree_matches_reference():
+    rng = random.Random(1)
+    for _ in range(200):
+        parents, rewards = random_tree(rng)
+        values = tree_values(parents, rewards)
+        plain = tree_advantages(parents, values)
+        children = {}
+        for node, parent in enumerate(parents):
+            children.setdefault(parent, []).append(node)
+        for parent, kids in children.items():
+            if parent >= 0:
+                assert sum(plain[k] for k in kids) == pytest.approx(0.0, abs=1e-9)
+        parent_tensor = torch.tensor(parents)
+        leaf_tensor = torch.tensor([rewards.get(n, float("nan")) for n in range(len(parents))], dtype=torch.float64)
+        batched_values = tree_values_batched(parent_tensor, leaf_tensor)
+        assert batched_values.tolist() == pytest.approx(values, abs=1e-12)
+        for std_normalize in (False, True):
+            reference = tree_advantages(parents, values, std_normalize=std_normalize)
+            batched = tree_advantages_batched(parent_tensor, batched_values, std_normalize=std_normalize)
+            assert batched.tolist() == pytest.approx(reference, abs=1e-9)
+            assert torch.isfinite(batched).all()
+
+
+def test_batched_tree_handles_a_forest_and_degenerate_trees():
+    # Three trees in one parent array: the paper's tree, a lone root, and a one-child chain.
+    offset = len(PAPER_PARENTS)
+    parents = PAPER_PARENTS + [-1] + [-1, offset + 1]
+    leaf_rewards = torch.zeros(len(parents), dtype=torch.float64)
+    for node, reward in PAPER_LEAF_REWARDS.items():
+        leaf_rewards[node] = reward
+    leaf_rewards[offset] = 0.5
+    leaf_rewards[offset + 2] = 1.0
+    values = tree_values_batched(torch.tensor(parents), leaf_rewards)
+    advantages = tree_advantages_batched(torch.tensor(parents), values, std_normalize=True)
+    assert values[offset:].tolist() == [0.5, 1.0, 1.0]
+    assert advantages[offset:].tolist() == [0.0, 0.0, 0.0]  # a lone child gets 0
+    assert advantages[1:4].tolist() == pytest.approx([0.26726, 1.06904, -1.33631], abs=1e-5)
+    empty = torch.zeros(0, dtype=torch.long)
+    assert tree_values_batched(empty, torch.zeros(0)).numel() == 0
+    assert tree_advantages_batched(empty, torch.zeros(0), std_normalize=True).numel() == 0
+
+
+def test_one_level_tree_equals_verl_grpo_without_std():
+    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+
+    rng = random.Random(2)
+    group_sizes = [rng.randint(2, 8) for _ in range(20)]
+    rewards = [rng.choice([0.0, 1.0, rng.random()]) for _ in range(sum(group_sizes))]
+    parents, uids, roots = [], [], []
+    for group, size in enumerate(group_sizes):
+        roots.append(len(parents))
+        parents.append(-1)
+        for _ in range(size):
+            parents.append(roots[-1])
+            uids.append(f"p{group}")
+    leaf_rewards = torch.zeros(len(parents), dtype=torch.float64)
+    leaf_index = [n for n, p in enumerate(parents) if p >= 0]
+    leaf_rewards[leaf_index] = torch.tensor(rewards, dtype=torch.float64)
+    values = tree_values_batched(torch.tensor(parents), leaf_rewards)
+    tree = tree_advantages_batched(torch.tensor(parents), values)[leaf_index]
+
+    length = 5
+    token_rewards = torch.zeros(len(rewards), length, dtype=torch.float64)
+    token_rewards[:, -1] = torch.tensor(rewards, dtype=torch.float64)
+    grpo, _ = compute_grpo_outcome_advantage(
+        token_rewards, torch.ones(len(rewards), length), index=__import__("numpy").array(uids),
+        norm_adv_by_std_in_grpo=False,
+    )
+    assert grpo[:, 0].tolist() == pytest.approx(tree.tolist(), abs=1e-6)
+
+
+def test_batched_chain_matches_reference_on_random_inputs():
+    rng = random.Random(3)
+    batch, length = 64, 24
+    probs = torch.rand(batch, length) ** 0.3
+    probs[0] = 1.0  # no low-probability token at all
+    probs[1, 0] = 0.1  # a cutpoint at token 0
+    response_mask = torch.ones(batch, length)
+    for b in range(batch):
+        response_mask[b, rng.randint(0, length) :] = 0  # early EOS, including empty responses
+    interval = 3
+    starts, counts = cutpoint_segment_starts_batched(probs.log(), response_mask, 0.9, interval)
+    values = torch.rand(batch, max(starts.shape[1], 1))[:, : starts.shape[1]]
+    rewards = torch.tensor([rng.choice([0.0, 1.0]) for _ in range(batch)])
+    batched = chain_token_advantages_batched(starts, values, counts, rewards, length)
+    assert torch.isfinite(batched).all()
+    for b in range(batch):
+        n = int(response_mask[b].sum())
+        row_starts = cutpoint_segment_starts(probs[b, :n].tolist(), 0.9, interval)
+        assert starts[b, : counts[b]].tolist() == row_starts
+        expected = chain_token_advantages(n, row_starts, values[b, : len(row_starts)].tolist(), float(rewards[b]))
+        assert batched[b, :n].tolist() == pytest.approx(expected, abs=1e-6)
+    assert counts[0] == 0 and batched[0].abs().sum() == 0
+
+
+def test_batched_functions_accept_empty_batches():
+    starts, counts = cutpoint_segment_starts_batched(torch.zeros(0, 7), torch.zeros(0, 7))
+    assert starts.shape == (0, 0) and counts.shape == (0,)
+    out = chain_token_advantages_batched(starts, torch.zeros(0, 0), counts, torch.zeros(0), 7)
+    assert out.shape == (0, 7)
+    out = chain_token_advantages_batched(torch.zeros(3, 0, dtype=torch.long), torch.zeros(3, 0), torch.zeros(3), torch.ones(3), 4)
+    assert out.shape == (3, 4) and out.abs().sum() == 0
+
+
+def test_probability_mask():
+    log_probs = torch.tensor([[0.5, 0.95, 0.2], [0.6, 0.3, 1.0]]).log()
+    response_mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    mask = probability_mask(log_probs, response_mask, 0.9)
+    assert mask.dtype == torch.bool
+    assert mask.tolist() == [[True, False, True], [True, True, False]]
+    assert not probability_mask(torch.zeros(2, 3), torch.ones(2, 3)).any()
+    assert math.isclose(probability_mask(log_probs, response_mask, 1.0).sum().item(), 5)
+    with pytest.raises(ValueError, match="threshold"):
+        probability_mask(log_probs, response_mask, 0.0)

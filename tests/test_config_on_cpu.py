@@ -1,0 +1,84 @@
+"""algorithm.spo settings: defaults, validation messages, and composition with verl's real config tree."""
+
+import os
+
+import pytest
+import verl
+from hydra import compose, initialize_config_dir
+from hydra.errors import InstantiationException
+from omegaconf import OmegaConf
+from verl.utils.config import omega_conf_to_dataclass
+
+import spo_verl.register  # noqa: F401
+from spo_verl.config import SPOConfigError, parse_spo_settings, tree_segment_budgets
+from spo_verl.policy_loss import SPOPolicyLossConfig
+
+VERL_CONFIG_DIR = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+
+
+def test_defaults_are_the_papers():
+    settings = parse_spo_settings(None)
+    assert settings.prob_mask.threshold == 0.9 and settings.prob_mask.normalization == "reference"
+    assert settings.chain.partition == "cutpoint" and settings.chain.cutpoint_interval == 5
+    assert settings.chain.mc_samples == 9
+    assert settings.tree.branching == (6, 6, 6) and tree_segment_budgets(settings.tree) == (600, 600)
+    assert settings.tree.std_normalize is False and settings.tree.drop_zero_advantage is True
+    assert settings.tree.max_trained_segments_per_prompt is None
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"prob_mask": {"normalization": "mean"}}, r"algorithm\.spo\.prob_mask\.normalization must be one of \['reference', 'verl'\], got 'mean'"),
+        ({"chain": {"partition": "words"}}, r"algorithm\.spo\.chain\.partition must be one of \['cutpoint', 'fixed_count', 'delimiter'\]"),
+        ({"chain": {"cutpoint_interval": 0}}, r"algorithm\.spo\.chain\.cutpoint_interval must be a positive integer, got 0"),
+        ({"chain": {"mc_samples": 2.5}}, r"algorithm\.spo\.chain\.mc_samples must be a positive integer"),
+        ({"tree": {"branching": []}}, r"algorithm\.spo\.tree\.branching must be a non-empty list of positive integers"),
+        ({"tree": {"branching": [6, 0, 6]}}, r"algorithm\.spo\.tree\.branching\[1\] must be a positive integer"),
+        ({"tree": {"segment_tokens": [30, 30, 30]}}, r"algorithm\.spo\.tree\.segment_tokens must be one number or 2 numbers"),
+        ({"tree": {"max_trained_segments_per_prompt": -1}}, r"max_trained_segments_per_prompt must be a positive integer"),
+        ({"tree": {"branch": [2]}}, r"unknown setting\(s\) \['algorithm\.spo\.tree\.branch'\]; algorithm\.spo\.tree accepts"),
+        ({"chian": {}}, r"unknown setting\(s\) \['algorithm\.spo\.chian'\]"),
+    ],
+)
+def test_invalid_values_name_the_key_and_allowed_values(raw, message):
+    with pytest.raises(SPOConfigError, match=message):
+        parse_spo_settings(raw)
+
+
+def test_per_depth_segment_budgets():
+    settings = parse_spo_settings({"tree": {"branching": [4, 5, 6], "segment_tokens": [30, 40]}})
+    assert tree_segment_budgets(settings.tree) == (30, 40)
+    assert tree_segment_budgets(parse_spo_settings({"tree": {"branching": [8], "segment_tokens": 30}}).tree) == ()
+
+
+def compose_verl(overrides):
+    with initialize_config_dir(config_dir=VERL_CONFIG_DIR, version_base=None):
+        return compose(config_name="ppo_trainer", overrides=overrides)
+
+
+SPO_LOSS_OVERRIDES = [
+    "algorithm.adv_estimator=spo_tree",
+    "actor_rollout_ref.actor.policy_loss.loss_mode=spo_prob_mask",
+    "actor_rollout_ref.actor.policy_loss._target_=spo_verl.policy_loss.SPOPolicyLossConfig",
+    "+actor_rollout_ref.actor.policy_loss.spo=${algorithm.spo}",
+    "actor_rollout_ref.rollout.n=4",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+]
+
+
+def test_settings_compose_with_verls_ppo_trainer_and_reach_the_actor_config():
+    config = compose_verl(SPO_LOSS_OVERRIDES + ["+algorithm.spo.prob_mask.threshold=0.8"])
+    OmegaConf.resolve(config)  # what verl's TaskRunner does before building workers
+    actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+    assert isinstance(actor.policy_loss, SPOPolicyLossConfig)
+    assert actor.policy_loss.loss_mode == "spo_prob_mask"
+    assert actor.policy_loss._spo_prob_mask.threshold == 0.8
+    assert parse_spo_settings(config.algorithm.spo).prob_mask.threshold == 0.8
+
+
+def test_invalid_setting_fails_when_verl_builds_the_actor_config():
+    config = compose_verl(SPO_LOSS_OVERRIDES + ["+algorithm.spo.prob_mask.normalization=token-mean"])
+    # Hydra wraps the error; the message still names the key and the allowed values.
+    with pytest.raises(InstantiationException, match=r"algorithm\.spo\.prob_mask\.normalization must be one of"):
+        omega_conf_to_dataclass(config.actor_rollout_ref.actor)

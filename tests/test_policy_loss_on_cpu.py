@@ -1,0 +1,236 @@
+"""The spo_prob_mask loss: SPO.md 6's masked-loss numbers, directly and through verl's actor loss path."""
+
+import math
+
+import pytest
+import torch
+from tensordict import TensorDict
+from verl.trainer.ppo.core_algos import agg_loss, compute_policy_loss_vanilla, get_policy_loss_fn
+from verl.utils import tensordict_utils as tu
+from verl.workers.config import ActorConfig, PolicyLossConfig
+from verl.workers.utils.losses import ppo_loss
+from verl.workers.utils.padding import left_right_2_no_padding
+
+import spo_verl.register  # noqa: F401
+from spo_verl.algorithms import probability_mask, whiten_over_mask
+from spo_verl.config import SPOConfigError
+from spo_verl.policy_loss import SPOPolicyLossConfig, spo_ppo_loss
+
+ADVANTAGES = torch.tensor([[0.1, 0.1, 0.1], [0.3, 0.3, 0.0]])
+RESPONSE_MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])
+OLD_PROBS = torch.tensor([[0.5, 0.95, 0.2], [0.6, 0.3, 1.0]])
+OLD_LOG_PROB = OLD_PROBS.log()
+LOG_PROB = OLD_LOG_PROB + torch.tensor([[0.3, -0.1, 0.05], [-0.4, 0.25, 0.0]])
+REF_LOG_PROB = OLD_LOG_PROB + torch.tensor([[0.1, 0.0, -0.2], [0.0, 0.1, 0.0]])
+EXPECTED_PG_LOSS = 0.1149237
+EXPECTED_KL_TERM = 7.5032e-6  # times kl_loss_coef 1e-4
+
+
+def actor_config(normalization="reference", use_kl_loss=False, policy_loss_cls=SPOPolicyLossConfig, **loss_kwargs):
+    if policy_loss_cls is SPOPolicyLossConfig:
+        loss_kwargs.setdefault("spo", {"prob_mask": {"normalization": normalization}})
+    return ActorConfig(
+        strategy="fsdp",
+        rollout_n=1,
+        ppo_micro_batch_size_per_gpu=2,
+        clip_ratio=0.2,
+        loss_agg_mode="token-mean",
+        use_kl_loss=use_kl_loss,
+        kl_loss_coef=1e-4,
+        policy_loss=policy_loss_cls(loss_mode="spo_prob_mask", **loss_kwargs),
+    )
+
+
+def test_whitened_advantages_worked_example():
+    mask = probability_mask(OLD_LOG_PROB, RESPONSE_MASK)
+    assert int(mask.sum()) == 4
+    whitened = whiten_over_mask(ADVANTAGES, mask)
+    expected = [[-0.866025] * 3, [0.866025, 0.866025, -1.73205]]
+    assert whitened.tolist() == [pytest.approx(row, abs=1e-5) for row in expected]
+
+
+def test_direct_call_matches_worked_example():
+    loss_fn = get_policy_loss_fn("spo_prob_mask")
+    loss, metrics = loss_fn(
+        old_log_prob=OLD_LOG_PROB,
+        log_prob=LOG_PROB.clone().requires_grad_(True),
+        advantages=ADVANTAGES,
+        response_mask=RESPONSE_MASK.bool(),
+        loss_agg_mode="token-mean",
+        config=actor_config(),
+        rollout_is_weights=None,
+    )
+    assert loss.item() == pytest.approx(EXPECTED_PG_LOSS, abs=1e-6)
+    assert metrics["spo/prob_mask/masked_fraction"] == pytest.approx(4 / 5)
+    assert all(isinstance(v, float) for v in metrics.values())
+
+
+def test_only_masked_tokens_get_gradient():
+    # Small steps, so no token is clipped and every masked-in token must get a gradient.
+    log_prob = (OLD_LOG_PROB + 0.01).requires_grad_(True)
+    loss, _ = get_policy_loss_fn("spo_prob_mask")(
+        OLD_LOG_PROB, log_prob, ADVANTAGES, RESPONSE_MASK.bool(), "token-mean", actor_config(), None
+    )
+    loss.backward()
+    mask = probability_mask(OLD_LOG_PROB, RESPONSE_MASK)
+    assert (log_prob.grad[~mask] == 0).all()
+    assert (log_prob.grad[mask] != 0).all()
+
+
+def test_no_masked_token_gives_zero_loss_not_nan():
+    confident = torch.full((2, 3), math.log(0.99))
+    for normalization in ("reference", "verl"):
+        log_prob = confident.clone().requires_grad_(True)
+        loss, _ = get_policy_loss_fn("spo_prob_mask")(
+            confident, log_prob, ADVANTAGES, RESPONSE_MASK.bool(), "token-mean", actor_config(normalization), None
+        )
+        loss.backward()
+        assert loss.item() == 0.0
+        assert torch.isfinite(log_prob.grad).all()
+
+
+GLOBAL_INFO = {"dp_size": 1, "batch_num_tokens": int(RESPONSE_MASK.sum()), "global_batch_size": 2}
+
+
+def test_verl_normalization_is_vanilla_on_masked_tokens_over_all_response_tokens():
+    config = actor_config("verl")
+    config.global_batch_info.update(GLOBAL_INFO)
+    loss, metrics = get_policy_loss_fn("spo_prob_mask")(
+        OLD_LOG_PROB, LOG_PROB, ADVANTAGES, RESPONSE_MASK.bool(), "token-mean", config, None
+    )
+    mask = probability_mask(OLD_LOG_PROB, RESPONSE_MASK)
+    vanilla_config = actor_config(policy_loss_cls=PolicyLossConfig)
+    vanilla_config.global_batch_info.update(GLOBAL_INFO)
+    expected, _ = compute_policy_loss_vanilla(OLD_LOG_PROB, LOG_PROB, ADVANTAGES, mask, "token-mean", vanilla_config)
+    assert loss.item() == pytest.approx(expected.item(), abs=1e-7)
+    assert "actor/pg_clipfrac" in metrics
+
+
+def test_reference_normalization_is_not_zeroed_advantages_over_response_tokens():
+    """SPO.md 4: verl's token-mean divides by all response tokens, the reference by masked-in ones."""
+    mask = probability_mask(OLD_LOG_PROB, RESPONSE_MASK)
+    global_info = GLOBAL_INFO
+    config = actor_config("reference")
+    config.global_batch_info.update(global_info)
+    reference, _ = get_policy_loss_fn("spo_prob_mask")(
+        OLD_LOG_PROB, LOG_PROB, ADVANTAGES, RESPONSE_MASK.bool(), "token-mean", config, None
+    )
+    zeroed_config = actor_config(policy_loss_cls=PolicyLossConfig)
+    zeroed_config.global_batch_info.update(global_info)
+    whitened = whiten_over_mask(ADVANTAGES, mask) * mask
+    zeroed, _ = compute_policy_loss_vanilla(
+        OLD_LOG_PROB, LOG_PROB, whitened, RESPONSE_MASK.bool(), "token-mean", zeroed_config
+    )
+    assert reference.item() == pytest.approx(EXPECTED_PG_LOSS, abs=1e-6)
+    # Zeroing scales the step by the masked fraction (4 of 5 tokens) and drops the reference's ratio mask.
+    assert zeroed.item() != pytest.approx(reference.item(), abs=1e-4)
+
+
+def test_micro_batches_are_combined_by_their_token_share():
+    """Two micro-batches of one mini-batch: verl sums their losses, each weighted by its token share."""
+    config = actor_config("reference")
+    config.global_batch_info.update({"dp_size": 1, "batch_num_tokens": 5, "global_batch_size": 2})
+    loss_fn = get_policy_loss_fn("spo_prob_mask")
+    parts = [
+        loss_fn(OLD_LOG_PROB[i : i + 1], LOG_PROB[i : i + 1], ADVANTAGES[i : i + 1], RESPONSE_MASK[i : i + 1].bool(),
+                "token-mean", config, None)[0]
+        for i in range(2)
+    ]
+    singles = []
+    for i in range(2):
+        alone = actor_config("reference")
+        singles.append(loss_fn(OLD_LOG_PROB[i : i + 1], LOG_PROB[i : i + 1], ADVANTAGES[i : i + 1],
+                               RESPONSE_MASK[i : i + 1].bool(), "token-mean", alone, None)[0])
+    assert parts[0].item() == pytest.approx(singles[0].item() * 3 / 5, abs=1e-7)
+    assert parts[1].item() == pytest.approx(singles[1].item() * 2 / 5, abs=1e-7)
+
+
+def actor_batch(prompt_length=2):
+    """A padded batch as the legacy trainer builds it, converted by verl's own left_right_2_no_padding,
+    plus the model output the actor produces for it (a nested log-prob per input token)."""
+    batch, response_length = RESPONSE_MASK.shape
+    sequence_mask = torch.cat([torch.ones(batch, prompt_length, dtype=torch.long), RESPONSE_MASK], dim=1)
+    data = TensorDict(
+        {
+            "prompts": torch.full((batch, prompt_length), 5),
+            "responses": torch.full((batch, response_length), 6),
+            "input_ids": torch.full((batch, prompt_length + response_length), 7),
+            "attention_mask": sequence_mask,
+            "position_ids": torch.cumsum(sequence_mask, dim=1) - 1,
+            "response_mask": RESPONSE_MASK,
+            "old_log_probs": OLD_LOG_PROB,
+            "ref_log_prob": REF_LOG_PROB,
+            "advantages": ADVANTAGES,
+        },
+        batch_size=[batch],
+    )
+    data = left_right_2_no_padding(data)
+    tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=int(RESPONSE_MASK.sum()), global_batch_size=batch)
+    per_sequence = []
+    for b in range(batch):
+        length = prompt_length + int(RESPONSE_MASK[b].sum())
+        values = torch.zeros(length)
+        # The actor's log-prob at input position i scores token i + 1.
+        values[prompt_length - 1 : length - 1] = LOG_PROB[b, : length - prompt_length]
+        per_sequence.append(values)
+    log_probs = torch.nested.as_nested_tensor(per_sequence, layout=torch.jagged).requires_grad_(True)
+    return data, {"log_probs": log_probs}
+
+
+def test_through_verls_ppo_loss():
+    data, model_output = actor_batch()
+    loss, metrics = ppo_loss(actor_config("reference"), model_output, data)
+    assert loss.item() == pytest.approx(EXPECTED_PG_LOSS, abs=1e-6)
+    loss.backward()
+    assert model_output["log_probs"].grad is not None
+
+
+def test_through_verls_ppo_loss_verl_normalization_uses_global_token_count():
+    data, model_output = actor_batch()
+    loss, _ = ppo_loss(actor_config("verl"), model_output, data)
+    mask = probability_mask(OLD_LOG_PROB, RESPONSE_MASK)
+    config = actor_config(policy_loss_cls=PolicyLossConfig)
+    config.global_batch_info.update({"dp_size": 1, "batch_num_tokens": 5, "global_batch_size": 2})
+    expected, _ = compute_policy_loss_vanilla(OLD_LOG_PROB, LOG_PROB, ADVANTAGES, mask, "token-mean", config)
+    assert loss.item() == pytest.approx(expected.item(), abs=1e-7)
+
+
+def test_masked_kl_through_spo_ppo_loss():
+    data, model_output = actor_batch()
+    loss, metrics = spo_ppo_loss(actor_config("reference", use_kl_loss=True), model_output, data)
+    assert loss.item() == pytest.approx(EXPECTED_PG_LOSS + EXPECTED_KL_TERM, abs=1e-6)
+    assert loss.item() - _pg_only("reference") == pytest.approx(EXPECTED_KL_TERM, abs=1e-9)
+    assert metrics["kl_loss"] * 1e-4 == pytest.approx(EXPECTED_KL_TERM, rel=1e-4)
+
+
+def test_spo_ppo_loss_keeps_verls_kl_outside_reference_mode():
+    data, model_output = actor_batch()
+    config = actor_config("verl", use_kl_loss=True)
+    ours, _ = spo_ppo_loss(config, model_output, data)
+    data, model_output = actor_batch()
+    verls, _ = ppo_loss(actor_config("verl", use_kl_loss=True), model_output, data)
+    assert ours.item() == pytest.approx(verls.item(), abs=1e-9)
+    # verl's KL covers every response token (5 here), the reference's only the 4 masked-in ones.
+    verl_kl = ours.item() - _pg_only("verl")
+    assert verl_kl > 0
+    assert verl_kl != pytest.approx(EXPECTED_KL_TERM, abs=1e-8)
+
+
+def _pg_only(normalization):
+    data, model_output = actor_batch()
+    return ppo_loss(actor_config(normalization), model_output, data)[0].item()
+
+
+def test_invalid_loss_settings_fail_when_the_config_is_built():
+    with pytest.raises(SPOConfigError, match=r"algorithm\.spo\.prob_mask\.normalization must be one of \['reference', 'verl'\]"):
+        SPOPolicyLossConfig(loss_mode="spo_prob_mask", spo={"prob_mask": {"normalization": "token-mean"}})
+    with pytest.raises(SPOConfigError, match=r"algorithm\.spo\.prob_mask\.threshold must be a number in \(0, 1\]"):
+        SPOPolicyLossConfig(loss_mode="spo_prob_mask", spo={"prob_mask": {"threshold": 2}})
+
+
+def test_plain_policy_loss_config_uses_the_papers_defaults():
+    config = actor_config(policy_loss_cls=PolicyLossConfig)
+    loss, _ = get_policy_loss_fn("spo_prob_mask")(
+        OLD_LOG_PROB, LOG_PROB, ADVANTAGES, RESPONSE_MASK.bool(), "token-mean", config, None
+    )
+    assert loss.item() == pytest.approx(EXPECTED_PG_LOSS, abs=1e-6)
