@@ -1,0 +1,1 @@
+"""Test helpers for spo-verl (tiny local models, a CPU vLLM server wrapper)."""
