@@ -49,7 +49,8 @@ def _rows_for(estimator: str, batch_size: int, index: Any, spo_rows: Sequence | 
     if len(rows) != batch_size:
         raise ValueError(f"{estimator}: {len(rows)} metadata rows for a batch of {batch_size}")
     padding = _padding_rows(index, batch_size)
-    rows = [None if pad else row for row, pad in zip(rows, padding)]
+    # Skip verl's padding rows and the legacy trainer's stand-in copies of early-stopped leaves.
+    rows = [None if pad or (row is not None and row.get("trains") is False) else row for row, pad in zip(rows, padding)]
     if batch_size and all(row is None for row in rows) and not padding.all():
         raise _missing_metadata(estimator)
     return rows, context

@@ -162,3 +162,23 @@ def test_random_batches_are_finite_and_zero_outside_the_response():
             advantages = compute_advantage(data, "spo_chain", config=algorithm_config()).batch["advantages"]
         assert torch.isfinite(advantages).all()
         assert (advantages * (1 - data.batch["response_mask"])).abs().sum() == 0
+
+
+def test_legacy_stand_in_copies_train_nothing():
+    # The legacy trainer needs one row per session: a slot under an early-stopped node returns a copy
+    # of that leaf marked trains=False, with an all-zero response mask. It must change nothing.
+    rows = [
+        {"path": [1], "segment_ends": [2]},
+        {"path": [1], "segment_ends": [2], "trains": False},
+        {"path": [2, 3], "segment_ends": [2, 4]},
+        {"path": [2, 4], "segment_ends": [2, 3]},
+    ]
+    data = batch([1.0, 1.0, 0.0, 1.0], [2, 0, 4, 3], 4, ["t"] * 4)
+    with provide_spo_rows(rows) as context:
+        advantages = compute_advantage(data, "spo_tree", config=algorithm_config()).batch["advantages"]
+    assert advantages[[0, 2, 3]].tolist() == [
+        pytest.approx([0.25, 0.25, 0, 0]),
+        pytest.approx([-0.25, -0.25, -0.5, -0.5]),
+        pytest.approx([0, 0, 0.5, 0]),
+    ]
+    assert advantages[1].abs().sum() == 0 and not context.trained_mask[1].any()

@@ -8,10 +8,12 @@ import pytest
 
 CHECK = (
     "from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, POLICY_LOSS_REGISTRY; "
+    "from verl.experimental.agent_loop.agent_loop import _agent_loop_registry as AGENT_LOOPS; "
     "print(sorted(n for n in ADV_ESTIMATOR_REGISTRY if n.startswith('spo')), "
-    "sorted(n for n in POLICY_LOSS_REGISTRY if n.startswith('spo')))"
+    "sorted(n for n in POLICY_LOSS_REGISTRY if n.startswith('spo')), "
+    "sorted(n for n in AGENT_LOOPS if n.startswith('spo')))"
 )
-REGISTERED = "['spo_chain', 'spo_tree'] ['spo_prob_mask']"
+REGISTERED = "['spo_chain', 'spo_tree'] ['spo_prob_mask'] ['spo_tree']"
 
 
 def run_python(code, **env):
@@ -31,7 +33,7 @@ def test_plain_import_verl_registers_everything_through_the_entry_point():
 
 
 def test_without_plugins_nothing_is_registered():
-    assert run_python("import verl; " + CHECK, VERL_USE_EXTERNAL_PLUGINS="none") == "[] []"
+    assert run_python("import verl; " + CHECK, VERL_USE_EXTERNAL_PLUGINS="none") == "[] [] []"
 
 
 def test_verl_use_external_modules():

@@ -1,6 +1,6 @@
 """A real vLLM engine on CPU (spo_verl.testing.tiny_vllm) behind verl's server-manager interface.
 
-One engine (tiny random Qwen2, built locally) is shared by all tests in this module.
+The engine (tiny random Qwen2, built locally) is the session fixture of conftest.py.
 """
 
 from __future__ import annotations
@@ -9,34 +9,17 @@ import asyncio
 import math
 
 import pytest
-import pytest_asyncio
 import torch
 
-from spo_verl.testing.tiny_vllm import CPUvLLMServer, build_tiny_qwen2, build_tiny_tokenizer
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = pytest.mark.asyncio(loop_scope="session")
 
-MAX_MODEL_LEN = 1024
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tiny_qwen2")
-    tokenizer = build_tiny_tokenizer(directory)
-    build_tiny_qwen2(directory, tokenizer, seed=0)
-    return str(directory), tokenizer
+MAX_MODEL_LEN = 1024  # as the session engine in conftest.py
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def server(tiny_model):
-    model_dir, _ = tiny_model
-    srv = await CPUvLLMServer.start(
-        model_dir, seed=0, max_model_len=MAX_MODEL_LEN, prompt_length=64, response_length=48
-    )
-    try:
-        yield srv
-    finally:
-        await srv.shutdown()
+@pytest.fixture
+def server(vllm_server):
+    return vllm_server
 
 
 @pytest.fixture(scope="module")

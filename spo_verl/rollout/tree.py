@@ -60,12 +60,13 @@ class SampledTree:
     def leaves(self) -> list[int]:
         return [node.node_id for node in self.nodes if node.node_id != ROOT and not node.children]
 
-    def leaf_for_slot(self, slot: int) -> int | None:
-        """The leaf that verl session ``slot`` (0 .. prod(branching) - 1) returns, or None.
+    def slot_leaf(self, slot: int) -> tuple[int, bool]:
+        """The leaf that verl session ``slot`` (0 .. prod(branching) - 1) lands on, and whether the
+        slot is the first of those landing there.
 
         Slot digits in base ``branching`` pick a child per depth. A leaf above the last depth (an
-        early stop) covers many slots; only the first of them returns it, so no leaf is lost or
-        returned twice.
+        early stop) covers all slots below it; only the first of them should return it, so that no
+        leaf is lost or returned twice.
         """
         if not 0 <= slot < math.prod(self.branching):
             raise ValueError(f"slot {slot} is outside 0..{math.prod(self.branching) - 1}")
@@ -74,8 +75,12 @@ class SampledTree:
             below = math.prod(self.branching[depth + 1 :])
             node = self.nodes[node].children[(slot // below) % width]
             if not self.nodes[node].children:
-                return node if slot % below == 0 else None
-        return node
+                return node, slot % below == 0
+        return node, True
+
+    def leaf_for_slot(self, slot: int) -> int | None:
+        leaf, first = self.slot_leaf(slot)
+        return leaf if first else None
 
 
 def _is_stop(token_ids: Sequence[int], max_tokens: int, eos_token_ids: Collection[int]) -> bool:

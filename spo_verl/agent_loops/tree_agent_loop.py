@@ -1,0 +1,139 @@
+"""The ``spo_tree`` agent loop: one SPO tree per prompt, one verl session per leaf slot.
+
+verl runs ``rollout.n`` sessions of a prompt, each a fresh agent-loop object in the same worker
+process. ``rollout.n`` must equal the number of leaf slots ``prod(branching)``: the first session
+of a prompt starts the tree, every session awaits it and returns its own leaf. A slot whose leaf
+stopped early (EOS above the last depth) shares that leaf with its sibling slots; only the first
+of them returns it, the others return nothing (default trainer) or a copy that trains nothing
+(legacy trainer, which needs exactly one output per session). Each returned leaf is an ordinary
+response, so verl's reward code scores it; its tree metadata travels in ``extra_fields["spo"]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+from uuid import uuid4
+
+from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
+from verl.utils.profiler import simple_timer
+
+from spo_verl.batch_context import SPO_FIELD
+from spo_verl.config import parse_spo_settings, tree_segment_budgets
+from spo_verl.rollout.tree import SampledTree, sample_tree
+
+
+@dataclass
+class _TreeJob:
+    task: asyncio.Task
+    sessions: int
+    finished: int = 0
+    next_slot: itertools.count = field(default_factory=itertools.count)
+
+
+def tree_statistics(tree: SampledTree) -> dict[str, Any]:
+    """Shape and cost of one tree, for the ``spo/tree/*`` metrics."""
+    depth = len(tree.branching)
+    internal_or_leaf = tree.nodes[1:]
+    leaves = tree.leaves()
+    early_stops = [0] * depth
+    for leaf in leaves:
+        if tree.nodes[leaf].depth < depth:
+            early_stops[tree.nodes[leaf].depth - 1] += 1
+    generated = sum(len(node.token_ids) for node in internal_or_leaf)
+    independent = sum(len(tree.prefix(leaf)[0]) for leaf in leaves)
+    return {
+        "nodes": len(internal_or_leaf),
+        "leaves": len(leaves),
+        "early_stops_per_depth": early_stops,
+        "generated_tokens": generated,
+        "independent_sample_tokens": independent,
+    }
+
+
+@register("spo_tree")
+class SPOTreeAgentLoop(AgentLoopBase):
+    _jobs: ClassVar[dict[str, _TreeJob]] = {}
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        settings = parse_spo_settings(self.config.algorithm.get("spo", None)).tree
+        self.branching = settings.branching
+        self.segment_budgets = tree_segment_budgets(settings)
+        self.response_length = self.rollout_config.response_length
+        self.legacy_trainer = not self.config.trainer.get("use_v1", True)
+        check_tree_fits(self.branching, self.segment_budgets, self.response_length, self.rollout_config.n)
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput | list[AgentLoopOutput]:
+        uid = str(kwargs["uid"])
+        job = self._jobs.get(uid)
+        if job is None:
+            job = _TreeJob(asyncio.create_task(self._sample(sampling_params, kwargs)), sessions=math.prod(self.branching))
+            self._jobs[uid] = job
+        # The legacy trainer does not number sessions; they start in row order, before any await.
+        slot = int(kwargs["session_id"]) if "session_id" in kwargs else next(job.next_slot)
+        try:
+            tree, metrics = await job.task
+        finally:
+            job.finished += 1
+            if job.finished == job.sessions:
+                self._jobs.pop(uid, None)
+        leaf, first = tree.slot_leaf(slot)
+        if first:
+            return self._leaf_output(tree, leaf, uid, metrics, trains=True)
+        if not self.legacy_trainer:
+            return []
+        return self._leaf_output(tree, leaf, uid, metrics, trains=False)
+
+    async def _sample(self, sampling_params: dict[str, Any], kwargs: dict[str, Any]) -> tuple[SampledTree, dict]:
+        prompt_ids = await self.ct_build_initial_tokens(list(kwargs["raw_prompt"]))
+        metrics: dict[str, float] = {}
+        with simple_timer("generate_sequences", metrics):
+            tree = await sample_tree(
+                self.server_manager.generate,
+                request_id=uuid4().hex,  # one id per tree: the whole subtree stays on one server's prefix cache
+                prompt_ids=prompt_ids,
+                sampling_params=sampling_params,
+                branching=self.branching,
+                segment_budgets=self.segment_budgets,
+                response_length=self.response_length,
+                eos_token_ids={self.tokenizer.eos_token_id},
+            )
+        return tree, metrics
+
+    def _leaf_output(self, tree: SampledTree, leaf: int, uid: str, metrics: dict, trains: bool) -> AgentLoopOutput:
+        token_ids, log_probs = tree.prefix(leaf)
+        spo = {
+            "tree_id": uid,
+            "path": tree.path(leaf),
+            "segment_ends": tree.segment_ends(leaf),
+            "trains": trains,
+            "tree": tree_statistics(tree),
+        }
+        return AgentLoopOutput(
+            prompt_ids=tree.prompt_ids,
+            response_ids=token_ids,
+            response_mask=[1 if trains else 0] * len(token_ids),
+            response_logprobs=log_probs,
+            num_turns=2,
+            metrics=AgentLoopMetrics(**metrics),
+            extra_fields={SPO_FIELD: spo, "turn_scores": [], "tool_rewards": []},
+        )
+
+
+def check_tree_fits(branching, segment_budgets, response_length: int, rollout_n: int) -> None:
+    """Config-time checks of the tree shape against verl's rollout settings."""
+    leaves = math.prod(branching)
+    if rollout_n != leaves:
+        raise ValueError(
+            f"actor_rollout_ref.rollout.n must equal the number of leaf slots of algorithm.spo.tree.branching "
+            f"{list(branching)} ({leaves}), got {rollout_n}"
+        )
+    if sum(segment_budgets) >= response_length:
+        raise ValueError(
+            f"algorithm.spo.tree.segment_tokens {list(segment_budgets)} use {sum(segment_budgets)} tokens before the "
+            f"last depth, which leaves nothing of actor_rollout_ref.rollout.response_length={response_length}"
+        )

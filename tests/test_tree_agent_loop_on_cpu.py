@@ -1,0 +1,215 @@
+"""The spo_tree agent loop against a real vLLM engine on CPU, then through verl's advantage step."""
+
+import asyncio
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+import verl
+from hydra import compose, initialize_config_dir
+from verl import DataProto
+from verl.experimental.agent_loop.agent_loop import DictConfigWrap
+from verl.trainer.ppo.ray_trainer import compute_advantage
+from verl.utils.dataset.rl_dataset import RLHFDataset
+
+import spo_verl.register  # noqa: F401
+from spo_verl.agent_loops.tree_agent_loop import SPOTreeAgentLoop
+from spo_verl.algorithms import tree_advantages, tree_values
+from spo_verl.batch_context import provide_spo_rows
+
+in_session_loop = pytest.mark.asyncio(loop_scope="session")  # the vLLM engine lives there
+
+BRANCHING = [3, 2]
+SEGMENT_TOKENS = 20
+RESPONSE_LENGTH = 40
+
+
+def verl_config(model_dir, *extra):
+    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        return compose(
+            config_name="ppo_trainer",
+            overrides=[
+                f"actor_rollout_ref.model.path={model_dir}",
+                f"actor_rollout_ref.rollout.n={math.prod(BRANCHING)}",
+                f"actor_rollout_ref.rollout.response_length={RESPONSE_LENGTH}",
+                "actor_rollout_ref.rollout.prompt_length=64",
+                "actor_rollout_ref.rollout.agent.default_agent_loop=spo_tree",
+                f"+algorithm.spo.tree.branching={BRANCHING}",
+                f"+algorithm.spo.tree.segment_tokens={SEGMENT_TOKENS}",
+                *extra,
+            ],
+        )
+
+
+def make_loop(config, server, tokenizer):
+    return SPOTreeAgentLoop(
+        trainer_config=DictConfigWrap(config),
+        server_manager=server,
+        tokenizer=tokenizer,
+        processor=None,
+        dataset_cls=RLHFDataset,
+        data_config=DictConfigWrap(config.data),
+    )
+
+
+async def run_prompt(config, server, tokenizer, uid, text, session_ids=True):
+    """All rollout.n sessions of one prompt, concurrently, as verl's agent-loop worker runs them."""
+    sampling_params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
+    raw_prompt = [{"role": "user", "content": text}]
+    sessions = []
+    for session in range(config.actor_rollout_ref.rollout.n):
+        kwargs = {"uid": uid, "raw_prompt": raw_prompt}
+        if session_ids:
+            kwargs["session_id"] = session
+        sessions.append(make_loop(config, server, tokenizer).run(sampling_params, **kwargs))
+    return await asyncio.gather(*sessions)
+
+
+@pytest.fixture(scope="module")
+def config(tiny_model):
+    return verl_config(tiny_model[0])
+
+
+@in_session_loop
+async def test_tree_shape_budgets_prefixes_and_log_probs(config, vllm_server, tiny_model):
+    tokenizer = tiny_model[1]
+    prompts = {f"tree{i}": f"Add {i} and {7 * i}, then explain." for i in range(4)}
+    calls_before = len(vllm_server.calls)
+    results = {uid: await run_prompt(config, vllm_server, tokenizer, uid, text) for uid, text in prompts.items()}
+    calls = vllm_server.calls[calls_before:]
+    early_stops = 0
+    for uid, outputs in results.items():
+        leaves = [out for out in outputs if out != []]
+        meta = [out.extra_fields["spo"] for out in leaves]
+        stats = meta[0]["tree"]
+        assert all(m["tree"] == stats for m in meta) and all(m["tree_id"] == uid for m in meta)
+        assert stats["leaves"] == len(leaves)
+        # Shape: 3 root children; a child that did not stop has exactly 2 children.
+        first_segments = {m["path"][0] for m in meta}
+        assert len(first_segments) == BRANCHING[0]
+        for node in first_segments:
+            below = [m for m in meta if m["path"][0] == node]
+            assert len(below) in (1, BRANCHING[1])
+            if len(below) == 1 and len(below[0]["path"]) == 1:
+                early_stops += 1
+        assert stats["nodes"] == BRANCHING[0] + sum(len(m["path"]) == 2 for m in meta)
+        # Empty outputs are exactly the slots that merged into an early-stopped node.
+        assert sum(out == [] for out in outputs) == math.prod(BRANCHING) - len(leaves)
+        for out, m in zip(leaves, meta):
+            ends = m["segment_ends"]
+            assert len(out.response_ids) == ends[-1] == len(out.response_logprobs) == len(out.response_mask)
+            assert len(out.response_ids) <= RESPONSE_LENGTH
+            assert ends[0] <= SEGMENT_TOKENS
+            stopped_first = len(m["path"]) == 1
+            if stopped_first:
+                assert out.response_ids[-1] == tokenizer.eos_token_id or ends[0] < SEGMENT_TOKENS
+            else:
+                assert ends[0] == SEGMENT_TOKENS and tokenizer.eos_token_id not in out.response_ids[: ends[0]]
+            assert all(x <= 0 for x in out.response_logprobs)
+        # Every leaf is exactly its path's segments as the engine returned them (ids and log-probs),
+        # and each child segment was generated from the prompt plus its parent's tokens.
+        by_prompt = {}
+        for call in calls:
+            by_prompt.setdefault(tuple(call["prompt_ids"]), []).append(call)
+        for out, m in zip(leaves, meta):
+            position, prefix = 0, list(out.prompt_ids)
+            for end in m["segment_ends"]:
+                segment = out.response_ids[position:end]
+                matching = [c for c in by_prompt[tuple(prefix)] if c["token_ids"] == segment]
+                assert matching, f"no generate call produced segment {segment} from its parent's prefix"
+                assert matching[0]["log_probs"] == out.response_logprobs[position:end]
+                prefix += segment
+                position = end
+        # Siblings share their parent's prefix: the depth-2 calls of this tree have 3 distinct prompts
+        # at most, each the prompt plus one depth-1 segment, issued twice (branching 2).
+        depth2 = [c for c in calls if len(c["prompt_ids"]) > len(leaves[0].prompt_ids)
+                  and c["prompt_ids"][: len(leaves[0].prompt_ids)] == leaves[0].prompt_ids]
+        for group in {tuple(c["prompt_ids"]) for c in depth2}:
+            assert sum(tuple(c["prompt_ids"]) == group for c in depth2) == BRANCHING[1]
+        tree_request_ids = {c["request_id"] for c in calls if c["prompt_ids"][: len(leaves[0].prompt_ids)] == leaves[0].prompt_ids}
+        assert len(tree_request_ids) == 1, "all calls of one tree use one request id (one server, warm prefix cache)"
+    # With ~4% EOS per token and 20-token first segments, some of the 12 first segments stop early.
+    assert early_stops >= 1
+    assert SPOTreeAgentLoop._jobs == {}, "finished trees are released"
+
+
+def reward_of(tokenizer, response_ids):
+    """A toy rule-based reward: does the response contain the digit 7?"""
+    return float("7" in tokenizer.decode(response_ids))
+
+
+@in_session_loop
+async def test_leaves_through_verls_advantage_step(config, vllm_server, tiny_model):
+    tokenizer = tiny_model[1]
+    outputs = await run_prompt(config, vllm_server, tokenizer, "adv1", "Say a number with 7 in it.")
+    outputs += await run_prompt(config, vllm_server, tokenizer, "adv2", "Count to 9.")
+    leaves = [out for out in outputs if out != []]
+    width = RESPONSE_LENGTH
+    response_mask = torch.zeros(len(leaves), width)
+    token_rewards = torch.zeros(len(leaves), width)
+    for row, out in enumerate(leaves):
+        response_mask[row, : len(out.response_ids)] = 1
+        token_rewards[row, len(out.response_ids) - 1] = reward_of(tokenizer, out.response_ids)
+    rows = [out.extra_fields["spo"] for out in leaves]
+    data = DataProto.from_dict(
+        tensors={"token_level_rewards": token_rewards, "response_mask": response_mask},
+        non_tensors={"uid": np.array([m["tree_id"] for m in rows], dtype=object)},
+    )
+    with provide_spo_rows(rows) as context:
+        advantages = compute_advantage(data, "spo_tree", config=config.algorithm).batch["advantages"]
+    # Rebuild each tree by hand with the plain reference functions and compare per segment.
+    for tree_id in ("adv1", "adv2"):
+        members = [i for i, m in enumerate(rows) if m["tree_id"] == tree_id]
+        ids = {0: -1}
+        for i in members:
+            parent = 0
+            for node in rows[i]["path"]:
+                ids.setdefault(node, parent)
+                parent = node
+        order = sorted(ids)
+        parents = [order.index(ids[n]) if ids[n] >= 0 else -1 for n in order]
+        leaf_rewards = {order.index(rows[i]["path"][-1]): float(token_rewards[i].sum()) for i in members}
+        values = tree_values(parents, leaf_rewards)
+        expected = dict(zip(order, tree_advantages(parents, values)))
+        trained_once = set()
+        for i in members:
+            start = 0
+            for node, end in zip(rows[i]["path"], rows[i]["segment_ends"]):
+                segment = advantages[i, start:end]
+                if context.trained_mask[i, start:end].any():
+                    assert node not in trained_once, "each segment is trained by one row only"
+                    trained_once.add(node)
+                    assert segment.tolist() == pytest.approx([expected[node]] * (end - start), abs=1e-6)
+                else:
+                    assert segment.abs().sum() == 0
+                start = end
+        assert trained_once == {n for n in order if n != 0 and expected[n] != 0}
+
+
+@in_session_loop
+async def test_legacy_trainer_gets_one_output_per_session(tiny_model, vllm_server):
+    config = verl_config(tiny_model[0], "trainer.use_v1=false")
+    tokenizer = tiny_model[1]
+    for attempt in range(6):
+        outputs = await run_prompt(config, vllm_server, tokenizer, f"legacy{attempt}", "Tell a story.", session_ids=False)
+        assert all(out != [] for out in outputs) and len(outputs) == math.prod(BRANCHING)
+        copies = [out for out in outputs if not out.extra_fields["spo"]["trains"]]
+        assert all(sum(out.response_mask) == 0 for out in copies)
+        trained = [out for out in outputs if out.extra_fields["spo"]["trains"]]
+        assert len({tuple(out.extra_fields["spo"]["path"]) for out in trained}) == len(trained)
+        if copies:
+            break
+    assert copies, "an early stop in six trees is expected with this model"
+
+
+def test_tree_must_fit_the_rollout_settings(tiny_model):
+    for extra, message in [
+        (["actor_rollout_ref.rollout.n=5"], r"rollout\.n must equal the number of leaf slots .* \(6\), got 5"),
+        ([f"actor_rollout_ref.rollout.response_length={SEGMENT_TOKENS}"], r"segment_tokens \[20\] use 20 tokens"),
+    ]:
+        config = verl_config(tiny_model[0], *extra)
+        with pytest.raises(ValueError, match=message):
+            make_loop(config, None, tiny_model[1])
