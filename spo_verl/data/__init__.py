@@ -1,0 +1,1 @@
+"""Data preparation for SPO experiments (verl parquet files)."""
