@@ -106,6 +106,20 @@ def compute_spo_chain_advantage(
     return advantages, advantages
 
 
+def _tree_advantage_metrics(result) -> dict[str, float]:
+    metrics = {}
+    depths, advantages = result.node_depths, result.node_advantages
+    for depth in range(1, int(depths.max().item()) + 1 if depths.numel() else 1):
+        at_depth = advantages[depths == depth].double()
+        if at_depth.numel() == 0:
+            continue
+        metrics[f"spo/tree/advantage_mean/depth{depth}"] = at_depth.mean().item()
+        metrics[f"spo/tree/advantage_abs_mean/depth{depth}"] = at_depth.abs().mean().item()
+        metrics[f"spo/tree/advantage_std/depth{depth}"] = at_depth.std(unbiased=False).item()
+        metrics[f"spo/tree/zero_advantage_fraction/depth{depth}"] = (at_depth == 0).double().mean().item()
+    return metrics
+
+
 @register_adv_est("spo_tree")
 def compute_spo_tree_advantage(
     token_level_rewards: torch.Tensor,
@@ -146,5 +160,6 @@ def compute_spo_tree_advantage(
     )
     if context is not None:
         context.trained_mask = result.trained_mask
+        context.metrics.update(_tree_advantage_metrics(result))
     advantages = result.token_advantages * result.trained_mask.to(result.token_advantages.dtype)
     return advantages, advantages

@@ -87,7 +87,7 @@ def tree_token_advantages(
     device = rewards.device
     forest = _build_forest(tree_ids, paths)
     parents = torch.tensor(forest.parents, dtype=torch.long, device=device)
-    leaf_rewards = torch.zeros(len(forest.parents), dtype=torch.float32, device=device)
+    leaf_rewards = torch.zeros(len(forest.parents), dtype=torch.float64, device=device)  # exact sibling centring
     width = max((len(nodes) for nodes in forest.row_nodes), default=0)
     node_table = torch.full((batch_size, max(width, 1)), -1, dtype=torch.long)
     end_table = torch.full((batch_size, max(width, 1)), length + 1, dtype=torch.long)
@@ -102,7 +102,7 @@ def tree_token_advantages(
             )
         node_table[row, : len(nodes)] = torch.tensor(nodes)
         end_table[row, : len(nodes)] = torch.tensor(ends)
-        leaf_rewards[nodes[-1]] = rewards[row].float()
+        leaf_rewards[nodes[-1]] = rewards[row].double()
     node_table, end_table = node_table.to(device), end_table.to(device)
 
     values = tree_values_batched(parents, leaf_rewards)

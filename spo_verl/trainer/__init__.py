@@ -1,0 +1,1 @@
+"""Thin adapters that let verl's trainers feed SPO metadata to the estimators and run SPO's actor loss."""

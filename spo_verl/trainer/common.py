@@ -1,0 +1,67 @@
+"""What both verl trainers need from SPO: the actor loss to install and the metrics of a batch."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from spo_verl.batch_context import SPOBatchContext
+from spo_verl.policy_loss import LOSS_NAME, spo_ppo_loss
+
+SPO_ESTIMATORS = ("spo_chain", "spo_tree")
+
+
+def uses_spo_metadata(config: Any) -> bool:
+    return config.algorithm.adv_estimator in SPO_ESTIMATORS
+
+
+def install_spo_actor_loss(actor_worker_group: Any, config: Any) -> bool:
+    """Put ``spo_ppo_loss`` (verl's ``ppo_loss`` plus the reference's masked KL) on the actor workers
+    when the ``spo_prob_mask`` loss is selected. Returns whether it was installed."""
+    if config.actor_rollout_ref.actor.policy_loss.get("loss_mode", "vanilla") != LOSS_NAME:
+        return False
+    if config.get("distillation", {}).get("enabled", False):
+        return False  # verl's distillation loss wraps ppo_loss itself; keep verl's
+    from verl.utils.config import omega_conf_to_dataclass
+
+    actor_config = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+    actor_worker_group.set_loss_fn(partial(spo_ppo_loss, config=actor_config))
+    return True
+
+
+def spo_rows_from_extra_fields(extra_fields: Sequence[Any], field: str = "spo") -> list[Mapping | None]:
+    rows = []
+    for value in extra_fields:
+        value = getattr(value, "data", value)  # TransferQueue hands back NonTensorData
+        rows.append(value.get(field) if isinstance(value, Mapping) else None)
+    return rows
+
+
+def batch_metrics(context: SPOBatchContext, response_mask) -> dict[str, float]:
+    """``spo/*`` metrics of one training batch: tree shape and cost (one entry per tree), and how much
+    of the response the segment training keeps."""
+    metrics = dict(context.metrics)
+    trees = {}
+    for row in context.rows:
+        if row is not None and "tree" in row:
+            trees.setdefault(row.get("tree_id"), row["tree"])
+    if trees:
+        stats = list(trees.values())
+        metrics["spo/tree/trees"] = float(len(stats))
+        metrics["spo/tree/nodes_per_tree"] = float(np.mean([s["nodes"] for s in stats]))
+        metrics["spo/tree/leaves_per_tree"] = float(np.mean([s["leaves"] for s in stats]))
+        early = np.array([s["early_stops_per_depth"] for s in stats], dtype=float)
+        for depth, count in enumerate(early.mean(axis=0), start=1):
+            metrics[f"spo/tree/early_stops_per_tree/depth{depth}"] = float(count)
+        generated = sum(s["generated_tokens"] for s in stats)
+        independent = sum(s["independent_sample_tokens"] for s in stats)
+        metrics["spo/tree/generated_tokens"] = float(generated)
+        metrics["spo/tree/independent_sample_tokens"] = float(independent)
+        metrics["spo/tree/generated_over_independent"] = generated / max(independent, 1)
+    if context.trained_mask is not None:
+        response_tokens = float(response_mask.sum())
+        metrics["spo/trained_token_fraction"] = float(context.trained_mask.sum()) / max(response_tokens, 1.0)
+    return metrics

@@ -1,0 +1,71 @@
+"""SPO on verl 0.9.1's default trainer (``trainer.use_v1=true``, data in TransferQueue).
+
+``SPOTrainer`` is verl's synchronous trainer with three small overrides:
+* ``_compute_advantage`` reads each trajectory's ``extra_fields["spo"]`` from TransferQueue and runs
+  verl's own advantage step with those rows visible to the SPO estimators; then it restricts the loss
+  to the segments the estimator chose to train (``response_mask``/``loss_mask`` in TransferQueue, as
+  verl's rollout correction does) and logs ``spo/*`` metrics;
+* ``init`` installs SPO's actor loss (verl's ``ppo_loss`` plus the reference's masked KL);
+* ``_update_actor`` lifts the loss's ``spo/*`` metrics out of verl's ``actor/`` prefix.
+
+Registered as the v1 trainer mode ``spo`` (``trainer.v1.trainer_mode=spo``); it behaves as verl's
+``sync`` mode in everything else, so verl's own checks on the literal mode name still hold.
+"""
+
+from __future__ import annotations
+
+import transfer_queue as tq
+from omegaconf import open_dict
+from tensordict import TensorDict
+from verl.trainer.ppo.v1.trainer_base import register_trainer
+from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+from verl.workers.utils.padding import response_to_nested
+
+from spo_verl.batch_context import provide_spo_rows
+from spo_verl.trainer.common import batch_metrics, install_spo_actor_loss, spo_rows_from_extra_fields, uses_spo_metadata
+
+TRAINER_MODE = "spo"
+
+
+def lift_spo_metrics(metrics: dict) -> None:
+    for key in [k for k in metrics if k.startswith("actor/spo/")]:
+        metrics[key.removeprefix("actor/")] = metrics.pop(key)
+
+
+@register_trainer(TRAINER_MODE)
+class SPOTrainer(PPOTrainerSync):
+    def __init__(self, config):
+        with open_dict(config):
+            config.trainer.v1.trainer_mode = "sync"
+        super().__init__(config)
+
+    def init(self):
+        super().init()
+        install_spo_actor_loss(self.actor_rollout_wg, self.config)
+
+    def _compute_advantage(self, batch, metrics: dict):
+        if not uses_spo_metadata(self.config):
+            return super()._compute_advantage(batch, metrics)
+        stored = tq.kv_batch_get(
+            keys=batch.keys, partition_id=batch.partition_id, select_fields=["extra_fields", "response_mask"]
+        )
+        rows = spo_rows_from_extra_fields(list(stored["extra_fields"]))
+        with provide_spo_rows(rows) as context:
+            batch = super()._compute_advantage(batch, metrics)
+        response_mask = stored["response_mask"]
+        padded_mask = response_mask.to_padded_tensor(0)
+        metrics.update(batch_metrics(context, padded_mask))
+        if context.trained_mask is not None:
+            trained = padded_mask * context.trained_mask[:, : padded_mask.shape[1]].to(padded_mask.dtype)
+            nested = response_to_nested(trained, response_mask)
+            batch = tq.kv_batch_put(
+                keys=batch.keys,
+                partition_id=batch.partition_id,
+                fields=TensorDict({"response_mask": nested, "loss_mask": nested}, batch_size=len(batch)),
+            )
+        return batch
+
+    def _update_actor(self, batch, metrics: dict):
+        batch = super()._update_actor(batch, metrics)
+        lift_spo_metrics(metrics)
+        return batch

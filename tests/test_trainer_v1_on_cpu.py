@@ -1,0 +1,133 @@
+"""SPOTrainer._compute_advantage on verl's real TransferQueue data path (trainer.use_v1=true).
+
+Trajectories are stored exactly as verl's AgentLoopWorkerTQ stores them (AgentLoopOutput.as_dict
+plus the row kwargs, one TransferQueue key per output); the trainer override then runs verl's own
+advantage step with the SPO metadata visible to the estimator.
+"""
+
+import numpy as np
+import pytest
+import ray
+import torch
+import transfer_queue as tq
+from omegaconf import OmegaConf
+from transfer_queue import KVBatchMeta
+from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
+from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+from spo_verl.estimators import SPOMetadataMissingError
+from spo_verl.trainer.v1 import SPOTrainer, lift_spo_metrics
+
+PAPER_LEAF_REWARDS = [1, 0, 1, 1, 1, 1, 0, 0, 0]
+
+
+@pytest.fixture(scope="module")
+def transfer_queue():
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    tq.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}}))
+    yield
+    tq.close()
+    ray.shutdown()
+
+
+def store(outputs, uid_of, partition_id="train"):
+    """What AgentLoopWorkerTQ._agent_loop_postprocess writes for each output."""
+    keys, fields, tags = [], [], []
+    for session, output in enumerate(outputs):
+        uid = uid_of(session)
+        field = output.as_dict()
+        field.update({"uid": uid, "session_id": session, "global_steps": 1})
+        field["loss_mask"] = field["response_mask"]
+        field["input_ids"] = torch.cat([field["prompts"], field["responses"]])
+        field["position_ids"] = torch.arange(field["input_ids"].numel())
+        keys.append(f"{uid}_{session}_0")
+        fields.append(field)
+        tags.append({"status": "success"})
+    tq.kv_batch_put(keys=keys, partition_id=partition_id, fields=list_of_dict_to_tensordict(fields), tags=tags)
+    return KVBatchMeta(partition_id=partition_id, keys=keys, tags=tags)
+
+
+def leaf(path, segment_ends, reward, spo_extra=None, length=5):
+    spo = {"tree_id": "tree1", "path": path, "segment_ends": segment_ends, "trains": True,
+           "tree": {"nodes": 12, "leaves": 9, "early_stops_per_depth": [0, 0], "generated_tokens": 33,
+                    "independent_sample_tokens": 45}}
+    spo.update(spo_extra or {})
+    return AgentLoopOutput(
+        prompt_ids=[3, 4],
+        response_ids=list(range(10, 10 + length)),
+        response_mask=[1] * length,
+        response_logprobs=[-0.5] * length,
+        reward_score=float(reward),
+        num_turns=2,
+        metrics=AgentLoopMetrics(),
+        extra_fields={"spo": spo, "turn_scores": [], "tool_rewards": []},
+    )
+
+
+def trainer(adv_estimator="spo_tree", **spo):
+    config = OmegaConf.create(
+        {
+            "algorithm": {
+                "adv_estimator": adv_estimator, "use_kl_in_reward": False, "gamma": 1.0, "lam": 1.0,
+                "norm_adv_by_std_in_grpo": True, "rollout_correction": None, "spo": spo,
+            },
+            "actor_rollout_ref": {"rollout": {"n": 9}},
+        }
+    )
+    instance = SPOTrainer.__new__(SPOTrainer)  # no workers: only the advantage step is exercised
+    instance.config = config
+    return instance
+
+
+def test_paper_tree_through_transfer_queue(transfer_queue):
+    outputs = [leaf([1 + i // 3, 4 + i], [2, 5], r) for i, r in enumerate(PAPER_LEAF_REWARDS)]
+    padding = leaf([1, 4], [2, 5], 0.0)  # verl's padding row: a copy of another row's metadata
+    padding.response_mask = [0] * 5
+    batch = store(outputs + [padding], lambda s: "tree1" if s < 9 else "pad9f3e")
+    metrics = {}
+    trainer()._compute_advantage(batch, metrics)
+    stored = tq.kv_batch_get(keys=batch.keys, partition_id="train",
+                             select_fields=["advantages", "response_mask", "loss_mask"])
+    advantages = stored["advantages"].to_padded_tensor(0.0)
+    assert advantages[0].tolist() == pytest.approx([1 / 9, 1 / 9, 1 / 3, 1 / 3, 1 / 3])
+    assert advantages[1].tolist() == pytest.approx([0, 0, -2 / 3, -2 / 3, -2 / 3])
+    assert advantages[3].tolist() == pytest.approx([4 / 9, 4 / 9, 0, 0, 0])
+    assert advantages[6].tolist() == pytest.approx([-5 / 9, -5 / 9, 0, 0, 0])
+    assert advantages[[4, 5, 7, 8, 9]].abs().sum() == 0
+    # The loss is restricted to the trained segments: each segment once, zero-advantage ones dropped.
+    trained = stored["response_mask"].to_padded_tensor(0)
+    assert trained.sum(dim=1).tolist() == [5, 3, 3, 2, 0, 0, 2, 0, 0, 0]
+    assert torch.equal(trained, stored["loss_mask"].to_padded_tensor(0))
+    assert metrics["spo/tree/trees"] == 1 and metrics["spo/tree/leaves_per_tree"] == 9
+    assert metrics["spo/tree/advantage_mean/depth1"] == pytest.approx(0.0, abs=1e-12)
+    assert metrics["spo/tree/advantage_abs_mean/depth1"] == pytest.approx((1 / 9 + 4 / 9 + 5 / 9) / 3)
+    assert metrics["spo/tree/zero_advantage_fraction/depth2"] == pytest.approx(6 / 9)
+    assert metrics["spo/tree/generated_over_independent"] == pytest.approx(33 / 45)
+    assert metrics["spo/trained_token_fraction"] == pytest.approx(15 / 45)
+
+
+def test_missing_metadata_fails_with_the_fix(transfer_queue):
+    plain = AgentLoopOutput(prompt_ids=[3], response_ids=[5, 6], response_mask=[1, 1], reward_score=1.0,
+                            metrics=AgentLoopMetrics(), extra_fields={"turn_scores": [], "tool_rewards": []})
+    batch = store([plain, plain], lambda s: "plain1")
+    with pytest.raises(SPOMetadataMissingError, match="default_agent_loop=spo_tree"):
+        trainer()._compute_advantage(batch, {})
+
+
+def test_non_spo_estimators_take_verls_path_unchanged(transfer_queue):
+    outputs = [leaf([1], [5], r) for r in (1.0, 0.0, 1.0, 0.0)]
+    batch = store(outputs, lambda s: "grpo1")
+    metrics = {}
+    trainer("grpo")._compute_advantage(batch, metrics)
+    stored = tq.kv_batch_get(keys=batch.keys, partition_id="train", select_fields=["advantages", "response_mask"])
+    advantages = stored["advantages"].to_padded_tensor(0.0)[:, 0]
+    expected = (torch.tensor([1.0, 0, 1, 0]) - 0.5) / (torch.tensor([1.0, 0, 1, 0]).std() + 1e-6)
+    assert advantages.tolist() == pytest.approx(expected.tolist(), abs=1e-5)
+    assert stored["response_mask"].to_padded_tensor(0).sum() == 20
+    assert not any(key.startswith("spo/") for key in metrics)
+
+
+def test_loss_metrics_are_lifted_out_of_the_actor_prefix():
+    metrics = {"actor/spo/prob_mask/masked_fraction": 0.3, "actor/pg_loss": 1.0}
+    lift_spo_metrics(metrics)
+    assert metrics == {"spo/prob_mask/masked_fraction": 0.3, "actor/pg_loss": 1.0}
