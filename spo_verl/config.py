@@ -198,3 +198,16 @@ def tree_segment_budgets(tree: TreeSettings) -> tuple[int, ...]:
     if len(tree.segment_tokens) == 1:
         return tree.segment_tokens * inner_depths
     return tree.segment_tokens
+
+
+def leaf_slots(branching: Sequence[int]) -> int:
+    """Number of leaf slots of a tree shape: ``rollout.n`` of an SPO-tree run."""
+    result = 1
+    for width in _positive_int_list(f"{NAMESPACE}.tree.branching", list(branching)):
+        result *= width
+    return result
+
+
+if not OmegaConf.has_resolver("spo_leaf_slots"):
+    # ``actor_rollout_ref.rollout.n: ${spo_leaf_slots:${algorithm.spo.tree.branching}}`` in the recipe.
+    OmegaConf.register_new_resolver("spo_leaf_slots", leaf_slots)
