@@ -56,6 +56,8 @@ def _micro_batch_share(response_mask: torch.Tensor, global_batch_info: dict) -> 
     batch_num_tokens = global_batch_info.get("batch_num_tokens")
     if batch_num_tokens is None:
         return 1.0
+    if batch_num_tokens == 0:  # nothing to train in the whole mini-batch (e.g. every advantage 0)
+        return 0.0
     return response_mask.sum() / batch_num_tokens * global_batch_info.get("dp_size", 1)
 
 
@@ -77,6 +79,10 @@ def compute_policy_loss_spo_prob_mask(
     settings = prob_mask_settings(config)
     mask = probability_mask(old_log_prob, response_mask, settings.threshold)
     metrics = {"spo/prob_mask/masked_fraction": masked_mean(mask.float(), response_mask).item()}
+    if config.global_batch_info.get("batch_num_tokens") == 0:
+        # Nothing to train in the whole mini-batch (e.g. every segment advantage 0): verl's token-mean
+        # would divide 0 by 0. A zero loss still connected to the graph keeps backward() valid.
+        return (log_prob * 0.0).sum(), metrics
     if settings.normalization == "verl":
         # Zero advantage outside the mask, keep verl's loss mask: the masked-out tokens add nothing to
         # the sum and verl's aggregation keeps its own denominator (the global response-token count).

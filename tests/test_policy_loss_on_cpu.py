@@ -234,3 +234,21 @@ def test_plain_policy_loss_config_uses_the_papers_defaults():
         OLD_LOG_PROB, LOG_PROB, ADVANTAGES, RESPONSE_MASK.bool(), "token-mean", config, None
     )
     assert loss.item() == pytest.approx(EXPECTED_PG_LOSS, abs=1e-6)
+
+
+def test_a_mini_batch_with_nothing_to_train_gives_zero_loss_and_gradient():
+    """SPO-tree drops zero-advantage segments: a mini-batch can end with no trained token at all."""
+    for normalization in ("reference", "verl"):
+        data, model_output = actor_batch()
+        data["response_mask"] = torch.zeros_like(data["response_mask"])
+        data["loss_mask"] = data["response_mask"]
+        tu.assign_non_tensor(data, batch_num_tokens=0)
+        loss, _ = spo_ppo_loss(actor_config(normalization, use_kl_loss=False), model_output, data)
+        assert loss.item() == 0.0
+        loss.backward()
+        assert (model_output["log_probs"].grad.values() == 0).all()
+    data, model_output = actor_batch()
+    data["response_mask"] = torch.zeros_like(data["response_mask"])
+    tu.assign_non_tensor(data, batch_num_tokens=0)
+    loss, _ = spo_ppo_loss(actor_config("reference", use_kl_loss=True), model_output, data)
+    assert loss.item() == 0.0

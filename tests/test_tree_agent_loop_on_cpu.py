@@ -10,14 +10,13 @@ import torch
 import verl
 from hydra import compose, initialize_config_dir
 from verl import DataProto
-from verl.experimental.agent_loop.agent_loop import DictConfigWrap
 from verl.trainer.ppo.ray_trainer import compute_advantage
-from verl.utils.dataset.rl_dataset import RLHFDataset
 
 import spo_verl.register  # noqa: F401
 from spo_verl.agent_loops.tree_agent_loop import SPOTreeAgentLoop
 from spo_verl.algorithms import tree_advantages, tree_values
 from spo_verl.batch_context import provide_spo_rows
+from spo_verl.testing.verl_harness import make_agent_loop, run_sessions
 
 in_session_loop = pytest.mark.asyncio(loop_scope="session")  # the vLLM engine lives there
 
@@ -44,28 +43,13 @@ def verl_config(model_dir, *extra):
         )
 
 
-def make_loop(config, server, tokenizer):
-    return SPOTreeAgentLoop(
-        trainer_config=DictConfigWrap(config),
-        server_manager=server,
-        tokenizer=tokenizer,
-        processor=None,
-        dataset_cls=RLHFDataset,
-        data_config=DictConfigWrap(config.data),
-    )
+SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
 
 
 async def run_prompt(config, server, tokenizer, uid, text, session_ids=True):
-    """All rollout.n sessions of one prompt, concurrently, as verl's agent-loop worker runs them."""
-    sampling_params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
     raw_prompt = [{"role": "user", "content": text}]
-    sessions = []
-    for session in range(config.actor_rollout_ref.rollout.n):
-        kwargs = {"uid": uid, "raw_prompt": raw_prompt}
-        if session_ids:
-            kwargs["session_id"] = session
-        sessions.append(make_loop(config, server, tokenizer).run(sampling_params, **kwargs))
-    return await asyncio.gather(*sessions)
+    return await run_sessions(SPOTreeAgentLoop, config, server, tokenizer, uid, raw_prompt,
+                              sampling_params=SAMPLING, session_ids=session_ids)
 
 
 @pytest.fixture(scope="module")
@@ -212,4 +196,4 @@ def test_tree_must_fit_the_rollout_settings(tiny_model):
     ]:
         config = verl_config(tiny_model[0], *extra)
         with pytest.raises(ValueError, match=message):
-            make_loop(config, None, tiny_model[1])
+            make_agent_loop(SPOTreeAgentLoop, config, None, tiny_model[1])
