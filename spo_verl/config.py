@@ -43,7 +43,11 @@ class ProbMaskSettings:
 
 @dataclass(frozen=True)
 class ChainSettings:
-    """SPO-chain (SPO.md 2a, 2c, 3a); the paper's headline is cutpoint int5 with 9 MC samples."""
+    """SPO-chain (SPO.md 2a, 2c, 3a); the paper's headline is cutpoint int5 with 9 MC samples.
+
+    ``max_boundaries`` caps the MC-estimated boundaries of one response (null: no cap); segments past
+    the cap merge into the last kept one, and the ``spo/chain/capped_responses`` metric counts it.
+    """
 
     partition: str = "cutpoint"
     cutpoint_threshold: float = 0.9
@@ -51,6 +55,7 @@ class ChainSettings:
     num_segments: int = 4
     delimiter: str = "\n\n"
     mc_samples: int = 9
+    max_boundaries: int | None = None
 
 
 @dataclass(frozen=True)
@@ -139,6 +144,7 @@ _CHECKS = {
     "chain.num_segments": _positive_int,
     "chain.delimiter": _text,
     "chain.mc_samples": _positive_int,
+    "chain.max_boundaries": _optional_positive_int,
     "tree.branching": _positive_int_list,
     "tree.segment_tokens": _int_or_int_list,
     "tree.std_normalize": _boolean,

@@ -1,5 +1,5 @@
 """Registers SPO in verl: estimators ``spo_chain`` and ``spo_tree``, loss ``spo_prob_mask`` and the
-``spo_tree`` agent loop.
+``spo_chain`` and ``spo_tree`` agent loops.
 
 Loaded in every process that imports verl through the ``verl.plugins`` entry point, or through
 ``VERL_USE_EXTERNAL_MODULES=spo_verl.register`` / ``actor_rollout_ref.model.external_lib=spo_verl.register``.
@@ -7,8 +7,8 @@ Every Ray process imports it, so it imports no trainer code.
 """
 
 from spo_verl import estimators, policy_loss  # noqa: F401  (registration happens on import)
-from spo_verl.agent_loops import tree_agent_loop  # noqa: F401
+from spo_verl.agent_loops import chain_agent_loop, tree_agent_loop  # noqa: F401
 
 ADVANTAGE_ESTIMATORS = ("spo_chain", "spo_tree")
 POLICY_LOSSES = (policy_loss.LOSS_NAME,)
-AGENT_LOOPS = ("spo_tree",)
+AGENT_LOOPS = ("spo_chain", "spo_tree")

@@ -19,7 +19,7 @@ from spo_verl.trainer.validation import validate_spo_run
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE_CONFIG = str(REPO / "recipe" / "spo" / "config")
-RUNNABLE_HERE = ["spo_tree", "grpo", "grpo_prob_mask", "ppo"]
+ALGORITHMS = ["spo_tree", "spo_chain", "grpo", "grpo_prob_mask", "ppo"]
 CLUSTER = [
     "trainer.n_gpus_per_node=8",
     "data.train_batch_size=32",
@@ -39,7 +39,7 @@ def compose_recipe(*overrides):
     return config
 
 
-@pytest.mark.parametrize("algorithm", RUNNABLE_HERE)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_each_algorithm_composes_and_passes_verls_validation(algorithm, tiny_model):
     # A real local model: verl's validation loads the critic's model config for ppo.
     config = compose_recipe(f"spo_algorithm={algorithm}", f"actor_rollout_ref.model.path={tiny_model[0]}")
@@ -50,6 +50,7 @@ def test_each_algorithm_composes_and_passes_verls_validation(algorithm, tiny_mod
     assert actor.use_kl_loss and actor.kl_loss_coef == pytest.approx(1e-4)
     expected = {
         "spo_tree": ("spo_tree", "spo_tree", "spo_prob_mask", 216),
+        "spo_chain": ("spo_chain", "spo_chain", "spo_prob_mask", 8),
         "grpo": ("grpo", "single_turn_agent", "vanilla", 8),
         "grpo_prob_mask": ("grpo", "single_turn_agent", "spo_prob_mask", 8),
         "ppo": ("gae", "single_turn_agent", "vanilla", 8),
@@ -134,3 +135,14 @@ def test_an_invalid_setting_stops_the_entry_point_before_ray_starts():
     assert result.returncode != 0
     assert "algorithm.spo.tree.std_normalize must be true or false, got 'maybe'" in result.stderr
     assert "Started a local Ray instance" not in result.stderr + result.stdout
+
+
+def test_run_spo_chain_cfg_job_shows_the_papers_gsm8k_setting():
+    result = run_script("run_spo_chain.sh", "algorithm.spo.chain.cutpoint_interval=2", "--cfg", "job")
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = result.stdout
+    for line in ["adv_estimator: spo_chain", "default_agent_loop: spo_chain", "loss_mode: spo_prob_mask",
+                 "cutpoint_interval: 2", "mc_samples: 9", "temperature: 0.6", "top_p: 0.9", "ppo_epochs: 2",
+                 "train_batch_size: 64", "max_response_length: 1024"]:
+        assert line in out, line
+    assert "checkpoints -> checkpoints/spo/gsm8k-rhomath-1.1b-spo_chain" in out

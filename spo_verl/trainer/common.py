@@ -41,8 +41,8 @@ def spo_rows_from_extra_fields(extra_fields: Sequence[Any], field: str = "spo") 
 
 
 def batch_metrics(context: SPOBatchContext, response_mask) -> dict[str, float]:
-    """``spo/*`` metrics of one training batch: tree shape and cost (one entry per tree), and how much
-    of the response the segment training keeps."""
+    """``spo/*`` metrics of one training batch: tree shape and cost (one entry per tree), chain
+    boundaries and MC cost, and how much of the response the segment training keeps."""
     metrics = dict(context.metrics)
     trees = {}
     for row in context.rows:
@@ -61,6 +61,20 @@ def batch_metrics(context: SPOBatchContext, response_mask) -> dict[str, float]:
         metrics["spo/tree/generated_tokens"] = float(generated)
         metrics["spo/tree/independent_sample_tokens"] = float(independent)
         metrics["spo/tree/generated_over_independent"] = generated / max(independent, 1)
+    chains = [row for row in context.rows if row is not None and "chain" in row]
+    if chains:
+        stats = [row["chain"] for row in chains]
+        values = [v for row in chains for v in row["boundary_values"]]
+        metrics["spo/chain/boundaries_per_response"] = float(np.mean([s["boundaries"] for s in stats]))
+        metrics["spo/chain/mc_continuations"] = float(sum(s["mc_continuations"] for s in stats))
+        metrics["spo/chain/mc_tokens"] = float(sum(s["mc_tokens"] for s in stats))
+        metrics["spo/chain/no_cutpoint_fraction"] = float(np.mean([s["no_cutpoint"] for s in stats]))
+        metrics["spo/chain/capped_responses"] = float(sum(s["capped"] for s in stats))
+        if values:
+            metrics["spo/chain/boundary_value_mean"] = float(np.mean(values))
+            metrics["spo/chain/boundary_value_std"] = float(np.std(values))
+            metrics["spo/chain/boundary_value_min"] = float(np.min(values))
+            metrics["spo/chain/boundary_value_max"] = float(np.max(values))
     if context.trained_mask is not None:
         response_tokens = float(response_mask.sum())
         metrics["spo/trained_token_fraction"] = float(context.trained_mask.sum()) / max(response_tokens, 1.0)

@@ -1,0 +1,145 @@
+"""The spo_chain agent loop against a real vLLM engine on CPU, then through verl's advantage step."""
+
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+import verl
+from hydra import compose, initialize_config_dir
+from verl import DataProto
+from verl.trainer.ppo.ray_trainer import compute_advantage
+
+import spo_verl.register  # noqa: F401
+from spo_verl.agent_loops.chain_agent_loop import SPOChainAgentLoop
+from spo_verl.algorithms import chain_token_advantages, cutpoint_segment_starts
+from spo_verl.batch_context import provide_spo_rows
+from spo_verl.testing.verl_harness import make_agent_loop, run_sessions
+from spo_verl.trainer.common import batch_metrics
+
+in_session_loop = pytest.mark.asyncio(loop_scope="session")  # the vLLM engine lives there
+RESPONSE_LENGTH = 32
+MC_SAMPLES = 3
+SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
+REWARD_SOURCE = '''
+def contains_answer(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": 1.0 if ground_truth in solution_str else 0.0}
+'''
+
+
+@pytest.fixture(scope="module")
+def reward_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("reward") / "reward.py"
+    path.write_text(REWARD_SOURCE)
+    return str(path)
+
+
+def chain_config(model_dir, reward_file, *extra):
+    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        return compose(
+            config_name="ppo_trainer",
+            overrides=[
+                f"actor_rollout_ref.model.path={model_dir}",
+                "actor_rollout_ref.rollout.n=4",
+                f"actor_rollout_ref.rollout.response_length={RESPONSE_LENGTH}",
+                "actor_rollout_ref.rollout.prompt_length=64",
+                f"reward.custom_reward_function.path={reward_file}",
+                "reward.custom_reward_function.name=contains_answer",
+                f"+algorithm.spo.chain.mc_samples={MC_SAMPLES}",
+                "+algorithm.spo.chain.cutpoint_interval=4",
+                *extra,
+            ],
+        )
+
+
+async def sample(config, server, tokenizer, uid, text="Say 7 then stop.", ground_truth="7"):
+    return await run_sessions(
+        SPOChainAgentLoop, config, server, tokenizer, uid, [{"role": "user", "content": text}],
+        sampling_params=SAMPLING, data_source="toy", reward_model={"ground_truth": ground_truth}, extra_info={},
+    )
+
+
+@in_session_loop
+async def test_boundaries_continuations_and_values(tiny_model, vllm_server, reward_file):
+    model_dir, tokenizer = tiny_model
+    config = chain_config(model_dir, reward_file)
+    before = len(vllm_server.calls)
+    outputs = await sample(config, vllm_server, tokenizer, "chain1")
+    calls = vllm_server.calls[before:]
+    prompt = outputs[0].prompt_ids
+    responses = [c for c in calls if c["prompt_ids"] == prompt and c["token_ids"] in [o.response_ids for o in outputs]]
+    assert len(outputs) == 4
+    distinct_prefixes = set()
+    for out in outputs:
+        meta = out.extra_fields["spo"]
+        probs = [math.exp(lp) for lp in out.response_logprobs]
+        assert meta["segment_starts"] == cutpoint_segment_starts(probs, 0.9, 4)
+        assert len(meta["boundary_values"]) == len(meta["segment_starts"])
+        assert all(0.0 <= v <= 1.0 for v in meta["boundary_values"])
+        assert all(v * MC_SAMPLES == pytest.approx(round(v * MC_SAMPLES)) for v in meta["boundary_values"])
+        distinct_prefixes |= {tuple(out.response_ids[:s]) for s in meta["segment_starts"]}
+    # Each continuation's prompt is exactly prompt + a boundary prefix, MC_SAMPLES per distinct prefix.
+    continuations = [c for c in calls if c not in responses]
+    assert len(continuations) == MC_SAMPLES * len(distinct_prefixes)
+    for call in continuations:
+        assert call["prompt_ids"][: len(prompt)] == prompt
+        prefix = tuple(call["prompt_ids"][len(prompt) :])
+        assert prefix in distinct_prefixes
+        assert call["sampling_params"]["max_tokens"] == max(RESPONSE_LENGTH - len(prefix), 1)
+        assert len(call["token_ids"]) <= RESPONSE_LENGTH - len(prefix)
+    total = sum(out.extra_fields["spo"]["chain"]["mc_continuations"] for out in outputs)
+    assert total == len(continuations), "shared estimates are counted once"
+    assert SPOChainAgentLoop._jobs == {}
+
+
+@in_session_loop
+async def test_no_cutpoint_gives_zero_advantages_and_still_counts(tiny_model, vllm_server, reward_file):
+    model_dir, tokenizer = tiny_model
+    config = chain_config(model_dir, reward_file, "+algorithm.spo.chain.cutpoint_threshold=1e-12")
+    before = len(vllm_server.calls)
+    outputs = await sample(config, vllm_server, tokenizer, "chain2")
+    assert len(vllm_server.calls) - before == 4, "no boundary, no continuation"
+    rows = [out.extra_fields["spo"] for out in outputs]
+    assert all(row["segment_starts"] == [] and row["chain"]["no_cutpoint"] for row in rows)
+    advantages, metrics = advantages_through_verl(config, outputs, tokenizer)
+    assert advantages.abs().sum() == 0
+    assert metrics["spo/chain/no_cutpoint_fraction"] == 1.0 and len(advantages) == 4
+
+
+def advantages_through_verl(config, outputs, tokenizer):
+    width = RESPONSE_LENGTH
+    response_mask = torch.zeros(len(outputs), width)
+    rewards = torch.zeros(len(outputs), width)
+    for b, out in enumerate(outputs):
+        response_mask[b, : len(out.response_ids)] = 1
+        rewards[b, len(out.response_ids) - 1] = float("7" in tokenizer.decode(out.response_ids, skip_special_tokens=True))
+    rows = [out.extra_fields["spo"] for out in outputs]
+    data = DataProto.from_dict(tensors={"token_level_rewards": rewards, "response_mask": response_mask},
+                               non_tensors={"uid": np.array(["c"] * len(outputs), dtype=object)})
+    with provide_spo_rows(rows) as context:
+        advantages = compute_advantage(data, "spo_chain", config=config.algorithm).batch["advantages"]
+    return advantages, batch_metrics(context, response_mask)
+
+
+@in_session_loop
+async def test_end_to_end_advantages_match_the_reference(tiny_model, vllm_server, reward_file):
+    model_dir, tokenizer = tiny_model
+    config = chain_config(model_dir, reward_file, "+algorithm.spo.chain.max_boundaries=2")
+    outputs = await sample(config, vllm_server, tokenizer, "chain3")
+    advantages, metrics = advantages_through_verl(config, outputs, tokenizer)
+    for b, out in enumerate(outputs):
+        meta = out.extra_fields["spo"]
+        assert len(meta["segment_starts"]) <= 2
+        reward = float("7" in tokenizer.decode(out.response_ids, skip_special_tokens=True))
+        expected = chain_token_advantages(len(out.response_ids), meta["segment_starts"], meta["boundary_values"], reward)
+        assert advantages[b, : len(out.response_ids)].tolist() == pytest.approx(expected, abs=1e-6)
+    assert metrics["spo/chain/boundaries_per_response"] <= 2
+    assert metrics["spo/chain/capped_responses"] == sum(o.extra_fields["spo"]["chain"]["capped"] for o in outputs)
+
+
+def test_cutpoints_need_temperature_scaled_log_probs(tiny_model, reward_file):
+    config = chain_config(tiny_model[0], reward_file, "actor_rollout_ref.rollout.logprobs_mode=raw_logprobs")
+    with pytest.raises(ValueError, match="logprobs_mode=processed_logprobs"):
+        make_agent_loop(SPOChainAgentLoop, config, None, tiny_model[1])
