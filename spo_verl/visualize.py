@@ -40,7 +40,11 @@ def render_segments_html(
     (green positive, red negative), underlined = in the probability mask, faded = not trained here."""
     scale = float(advantages.abs().max()) if advantages.numel() else 0.0
     parts = [f"<!doctype html><meta charset='utf-8'><title>{html.escape(title)}</title><style>{STYLE}</style>",
-             f"<h1>{html.escape(title)}</h1>"]
+             f"<h1>{html.escape(title)}</h1>",
+             "<p class='meta'>Bars separate segments. Background: the segment's advantage (green positive, red "
+             "negative, stronger = larger). <span class='masked'>Bold underlined</span>: tokens in the probability "
+             "mask. <span class='untrained'>Faded</span>: not trained in this row (the segment is trained by "
+             "another leaf that shares it, or its advantage is 0). Hover a segment for its advantage.</p>"]
     if summary:
         parts.append("<table>" + "".join(
             f"<tr><th>{html.escape(k)}</th><td>{v:.4g}</td></tr>" for k, v in summary.items()) + "</table>")
