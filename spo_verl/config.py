@@ -64,8 +64,9 @@ class TreeSettings:
 
     ``segment_tokens`` is the token budget of each depth but the last (which runs to EOS or the
     response limit): one number for every depth, or one per depth.
-    ``max_trained_segments_per_prompt``: must be null for now, which trains every segment once
-    (on-policy); the reference samples 32 per prompt and keeps the rest in a replay buffer.
+    ``max_trained_segments_per_prompt``: null trains every segment once (on-policy); a number trains at
+    most that many segments per prompt, drawn at random, and leaves the rest out of the actor update
+    (the reference samples 32 per prompt and keeps the rest in a replay buffer for later steps).
     """
 
     branching: tuple[int, ...] = (6, 6, 6)
@@ -129,12 +130,6 @@ def _optional_positive_int(key: str, value: Any) -> int | None:
     return None if value is None else _positive_int(key, value)
 
 
-def _not_yet_supported_budget(key: str, value: Any) -> None:
-    if value is not None:
-        raise _fail(key, "null (train every segment): a per-prompt budget of trained segments is not supported yet", value)
-    return None
-
-
 def _int_or_int_list(key: str, value: Any) -> tuple[int, ...]:
     if isinstance(value, int) and not isinstance(value, bool):
         return (_positive_int(key, value),)
@@ -155,7 +150,7 @@ _CHECKS = {
     "tree.segment_tokens": _int_or_int_list,
     "tree.std_normalize": _boolean,
     "tree.drop_zero_advantage": _boolean,
-    "tree.max_trained_segments_per_prompt": _not_yet_supported_budget,
+    "tree.max_trained_segments_per_prompt": _optional_positive_int,
 }
 
 

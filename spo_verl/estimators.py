@@ -157,6 +157,7 @@ def compute_spo_tree_advantage(
         response_mask=response_mask,
         std_normalize=settings.std_normalize,
         drop_zero_advantage=settings.drop_zero_advantage,
+        max_trained_segments_per_tree=settings.max_trained_segments_per_prompt,
     )
     if context is not None:
         context.trained_mask = result.trained_mask

@@ -36,7 +36,7 @@ def test_defaults_are_the_papers():
         ({"tree": {"branching": []}}, r"algorithm\.spo\.tree\.branching must be a non-empty list of positive integers"),
         ({"tree": {"branching": [6, 0, 6]}}, r"algorithm\.spo\.tree\.branching\[1\] must be a positive integer"),
         ({"tree": {"segment_tokens": [30, 30, 30]}}, r"algorithm\.spo\.tree\.segment_tokens must be one number or 2 numbers"),
-        ({"tree": {"max_trained_segments_per_prompt": 32}}, r"max_trained_segments_per_prompt must be null \(train every segment\): a per-prompt budget .* not supported yet"),
+        ({"tree": {"max_trained_segments_per_prompt": 0}}, r"max_trained_segments_per_prompt must be a positive integer, got 0"),
         ({"tree": {"branch": [2]}}, r"unknown setting\(s\) \['algorithm\.spo\.tree\.branch'\]; algorithm\.spo\.tree accepts"),
         ({"chian": {}}, r"unknown setting\(s\) \['algorithm\.spo\.chian'\]"),
     ],

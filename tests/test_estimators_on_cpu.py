@@ -182,3 +182,36 @@ def test_legacy_stand_in_copies_train_nothing():
         pytest.approx([0, 0, 0.5, 0]),
     ]
     assert advantages[1].abs().sum() == 0 and not context.trained_mask[1].any()
+
+
+def test_per_prompt_budget_of_trained_segments():
+    from spo_verl.algorithms.tree_rows import tree_token_advantages
+
+    _, rows = paper_tree_batch(with_padding=False)
+    rewards = torch.tensor([1.0, 0, 1, 1, 1, 1, 0, 0, 0])
+    mask = torch.ones(9, 5)
+    args = (["p"] * 9, [r["path"] for r in rows], [r["segment_ends"] for r in rows], rewards, mask)
+    trainable = {1, 2, 3, 4, 5, 6}  # a, b, c and a's leaves; b's and c's leaves have advantage 0
+    seen = set()
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        result = tree_token_advantages(*args, max_trained_segments_per_tree=2, generator=generator)
+        trained_nodes = set()
+        for row, meta in enumerate(rows):
+            for node, start, end in zip(meta["path"], [0] + meta["segment_ends"][:-1], meta["segment_ends"]):
+                if result.trained_mask[row, start:end].any():
+                    assert result.trained_mask[row, start:end].all()
+                    trained_nodes.add(node)
+        assert len(trained_nodes) == 2 and trained_nodes <= trainable
+        seen |= trained_nodes
+    assert seen == trainable  # every trainable segment can be drawn
+    everything = tree_token_advantages(*args, max_trained_segments_per_tree=100)
+    assert torch.equal(everything.trained_mask, tree_token_advantages(*args).trained_mask)
+
+
+def test_budget_reaches_the_estimator_from_the_settings():
+    data, rows = paper_tree_batch(with_padding=False)
+    with provide_spo_rows(rows) as context:
+        compute_advantage(data, "spo_tree", config=algorithm_config(tree={"max_trained_segments_per_prompt": 1}))
+    trained_rows = context.trained_mask.any(dim=1).sum().item()
+    assert trained_rows == 1

@@ -131,3 +131,46 @@ def test_loss_metrics_are_lifted_out_of_the_actor_prefix():
     metrics = {"actor/spo/prob_mask/masked_fraction": 0.3, "actor/pg_loss": 1.0}
     lift_spo_metrics(metrics)
     assert metrics == {"spo/prob_mask/masked_fraction": 0.3, "actor/pg_loss": 1.0}
+
+
+def test_actor_update_gets_only_rows_that_train_something(transfer_queue, monkeypatch):
+    """Leaves whose segments are all trained elsewhere or all zero cost no actor forward/backward."""
+    from verl.trainer.ppo.padding_utils import upsample_batch_to_divisible_size
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    outputs = [leaf([1 + i // 3, 4 + i], [2, 5], r, {"tree_id": "tree2"}) for i, r in enumerate(PAPER_LEAF_REWARDS)]
+    batch = store(outputs, lambda s: "tree2")
+    spo_trainer = trainer()
+    spo_trainer._compute_advantage(batch, {})
+    updated = {}
+
+    def verl_update(self, update, metrics):
+        updated["keys"] = list(update.keys)
+        return update
+
+    monkeypatch.setattr(PPOTrainerSync, "_update_actor", verl_update)
+    # verl's balancing pads to a multiple (here 4) with synthetic rows stored in TransferQueue.
+    monkeypatch.setattr(spo_trainer, "_balance_batch",
+                        lambda update, metrics, logging_prefix: upsample_batch_to_divisible_size(update, 4, 0),
+                        raising=False)
+    metrics = {}
+    returned = spo_trainer._update_actor(batch, metrics)
+    trained_rows = [batch.keys[i] for i in (0, 1, 2, 3, 6)]  # per-row trained token counts 5,3,3,2,0,0,2,0,0
+    assert updated["keys"][:5] == trained_rows and len(updated["keys"]) == 8
+    assert all(key.startswith("pad") for key in updated["keys"][5:])
+    assert metrics["spo/actor_update_rows"] == 5 and metrics["spo/actor_skipped_rows"] == 4
+    # Everything, padding included, goes back to verl for metrics and TransferQueue cleanup.
+    assert returned.keys == batch.keys + updated["keys"][5:]
+
+
+def test_a_step_with_nothing_to_train_skips_the_actor(transfer_queue, monkeypatch):
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    outputs = [leaf([1 + i // 3, 4 + i], [2, 5], 1.0, {"tree_id": "tree3"}) for i in range(9)]  # all equal
+    batch = store(outputs, lambda s: "tree3")
+    spo_trainer = trainer()
+    spo_trainer._compute_advantage(batch, {})
+    monkeypatch.setattr(PPOTrainerSync, "_update_actor", lambda *a: pytest.fail("actor update without tokens"))
+    metrics = {}
+    assert spo_trainer._update_actor(batch, metrics) is batch
+    assert metrics["spo/actor_update_rows"] == 0 and metrics["spo/actor_skipped_rows"] == 9

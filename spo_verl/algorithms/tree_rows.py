@@ -67,6 +67,29 @@ def _build_forest(tree_ids: Sequence[Hashable | None], paths: Sequence[Sequence[
     return _Forest(parents, row_nodes)
 
 
+def _sample_per_tree(parents: torch.Tensor, eligible: torch.Tensor, budget: int, generator) -> torch.Tensor:
+    """At most ``budget`` eligible nodes per tree, uniformly at random; one sort, no loop over trees."""
+    tree_of = _tree_index(parents)
+    scores = torch.rand(parents.numel(), generator=generator, device=parents.device)
+    scores = torch.where(eligible, scores, torch.full_like(scores, 2.0))  # ineligible nodes sort last
+    order = torch.argsort(tree_of.double() * 4 + scores)
+    sorted_trees = tree_of[order]
+    first_of_tree = torch.searchsorted(sorted_trees, sorted_trees)  # sorted_trees is ascending
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel(), device=parents.device) - first_of_tree
+    return eligible & (rank < budget)
+
+
+def _tree_index(parents: torch.Tensor) -> torch.Tensor:
+    """Index of each node's root (the tree it belongs to), by pointer jumping."""
+    root = torch.where(parents >= 0, parents, torch.arange(parents.numel(), device=parents.device))
+    while True:
+        jumped = root[root]
+        if torch.equal(jumped, root):
+            return root
+        root = jumped
+
+
 def tree_token_advantages(
     tree_ids: Sequence[Hashable | None],
     paths: Sequence[Sequence[int] | None],
@@ -75,13 +98,17 @@ def tree_token_advantages(
     response_mask: torch.Tensor,
     std_normalize: bool = False,
     drop_zero_advantage: bool = True,
+    max_trained_segments_per_tree: int | None = None,
+    generator: torch.Generator | None = None,
 ) -> TreeBatchAdvantages:
     """Token advantages for a batch of leaf rows (SPO.md 3b).
 
     Rows whose ``tree_id`` is None (e.g. verl's padding rows) get advantage 0 and train nothing.
     ``trained_mask`` gives each segment to exactly one row (the first that contains it), so a segment
     shared by many leaves is trained once, as in the reference; with ``drop_zero_advantage`` segments
-    whose advantage is exactly 0 (e.g. all siblings equal) are not trained at all.
+    whose advantage is exactly 0 (e.g. all siblings equal) are not trained at all. With
+    ``max_trained_segments_per_tree`` at most that many of a tree's trainable segments, drawn
+    uniformly at random, are trained (the reference's per-prompt budget).
     """
     batch_size, length = response_mask.shape
     device = rewards.device
@@ -119,9 +146,13 @@ def tree_token_advantages(
     present = node_table >= 0
     owner = torch.full((len(forest.parents),), batch_size, dtype=torch.long, device=device)
     owner.scatter_reduce_(0, node_table[present], rows[present], reduce="amin")
-    trained = inside & (owner[safe_node] == torch.arange(batch_size, device=device)[:, None])
+    trainable = torch.ones(len(forest.parents), dtype=torch.bool, device=device)
+    trainable &= parents >= 0  # roots carry no segment
     if drop_zero_advantage:
-        trained &= node_advantages[safe_node] != 0
+        trainable &= node_advantages != 0
+    if max_trained_segments_per_tree is not None:
+        trainable &= _sample_per_tree(parents, trainable, max_trained_segments_per_tree, generator)
+    trained = inside & (owner[safe_node] == torch.arange(batch_size, device=device)[:, None]) & trainable[safe_node]
     return TreeBatchAdvantages(
         token_advantages=token_advantages.to(rewards.dtype),
         trained_mask=trained,

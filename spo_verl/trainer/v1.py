@@ -6,7 +6,10 @@
   to the segments the estimator chose to train (``response_mask``/``loss_mask`` in TransferQueue, as
   verl's rollout correction does) and logs ``spo/*`` metrics;
 * ``init`` installs SPO's actor loss (verl's ``ppo_loss`` plus the reference's masked KL);
-* ``_update_actor`` lifts the loss's ``spo/*`` metrics out of verl's ``actor/`` prefix.
+* ``_update_actor`` sends only the trajectories that train at least one token to the actor (leaves
+  whose segments are all trained elsewhere or all zero cost no forward/backward), padded and
+  balanced by verl's own ``_balance_batch``; it lifts the loss's ``spo/*`` metrics out of verl's
+  ``actor/`` prefix.
 
 Registered as the v1 trainer mode ``spo`` (``trainer.v1.trainer_mode=spo``); it behaves as verl's
 ``sync`` mode in everything else, so verl's own checks on the literal mode name still hold.
@@ -17,6 +20,7 @@ from __future__ import annotations
 import transfer_queue as tq
 from omegaconf import open_dict
 from tensordict import TensorDict
+from transfer_queue import KVBatchMeta
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.workers.utils.padding import response_to_nested
@@ -55,8 +59,10 @@ class SPOTrainer(PPOTrainerSync):
         response_mask = stored["response_mask"]
         padded_mask = response_mask.to_padded_tensor(0)
         metrics.update(batch_metrics(context, padded_mask))
+        self._spo_rows_to_train = None
         if context.trained_mask is not None:
             trained = padded_mask * context.trained_mask[:, : padded_mask.shape[1]].to(padded_mask.dtype)
+            self._spo_rows_to_train = trained.sum(dim=1) > 0
             nested = response_to_nested(trained, response_mask)
             batch = tq.kv_batch_put(
                 keys=batch.keys,
@@ -66,6 +72,32 @@ class SPOTrainer(PPOTrainerSync):
         return batch
 
     def _update_actor(self, batch, metrics: dict):
-        batch = super()._update_actor(batch, metrics)
+        rows = getattr(self, "_spo_rows_to_train", None)
+        self._spo_rows_to_train = None
+        if rows is None or bool(rows.all()):
+            batch = super()._update_actor(batch, metrics)
+            lift_spo_metrics(metrics)
+            return batch
+        kept = [i for i, keep in enumerate(rows.tolist()) if keep]
+        metrics["spo/actor_update_rows"] = float(len(kept))
+        metrics["spo/actor_skipped_rows"] = float(len(rows) - len(kept))
+        if not kept:
+            return batch  # nothing to train this step: no actor forward/backward at all
+        update = KVBatchMeta(
+            partition_id=batch.partition_id,
+            keys=[batch.keys[i] for i in kept],
+            tags=[batch.tags[i] for i in kept],
+            extra_info=dict(batch.extra_info),
+        )
+        update = self._balance_batch(update, metrics, logging_prefix="spo/actor_update_seqlen")
+        update = super()._update_actor(update, metrics)
         lift_spo_metrics(metrics)
-        return batch
+        # Padding rows added for the update live in TransferQueue too: hand them back for cleanup.
+        known = set(batch.keys)
+        added = [(key, tag) for key, tag in zip(update.keys, update.tags) if key not in known]
+        return KVBatchMeta(
+            partition_id=batch.partition_id,
+            keys=batch.keys + [key for key, _ in added],
+            tags=batch.tags + [tag for _, tag in added],
+            extra_info=batch.extra_info,
+        )
