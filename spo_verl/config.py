@@ -45,8 +45,11 @@ class ProbMaskSettings:
 class ChainSettings:
     """SPO-chain (SPO.md 2a, 2c, 3a); the paper's headline is cutpoint int5 with 9 MC samples.
 
-    ``max_boundaries`` caps the MC-estimated boundaries of one response (null: no cap); segments past
-    the cap merge into the last kept one, and the ``spo/chain/capped_responses`` metric counts it.
+    ``max_boundaries`` caps the MC-estimated boundaries of one response and
+    ``max_mc_tokens_per_response`` the tokens its continuations may generate (``mc_samples`` times the
+    room left after each boundary, counted from the first boundary on); null means no cap. Segments
+    past a cap merge into the last kept one, and ``spo/chain/capped_responses`` counts it. Together they
+    bound the MC tokens of a step by ``train_batch_size * rollout.n`` times the per-response cap.
     """
 
     partition: str = "cutpoint"
@@ -56,6 +59,7 @@ class ChainSettings:
     delimiter: str = "\n\n"
     mc_samples: int = 9
     max_boundaries: int | None = None
+    max_mc_tokens_per_response: int | None = None
 
 
 @dataclass(frozen=True)
@@ -146,6 +150,7 @@ _CHECKS = {
     "chain.delimiter": _text,
     "chain.mc_samples": _positive_int,
     "chain.max_boundaries": _optional_positive_int,
+    "chain.max_mc_tokens_per_response": _optional_positive_int,
     "tree.branching": _positive_int_list,
     "tree.segment_tokens": _int_or_int_list,
     "tree.std_normalize": _boolean,

@@ -174,3 +174,31 @@ def test_a_step_with_nothing_to_train_skips_the_actor(transfer_queue, monkeypatc
     metrics = {}
     assert spo_trainer._update_actor(batch, metrics) is batch
     assert metrics["spo/actor_update_rows"] == 0 and metrics["spo/actor_skipped_rows"] == 9
+
+
+def test_chain_worked_example_through_transfer_queue(transfer_queue):
+    """SPO.md 6's chain example on the default trainer's data path: p, cutpoints int2, V, R = 1."""
+    probs = [0.99, 0.72, 1.0, 0.85, 1.0, 0.56, 0.92, 0.23, 0.98, 0.11, 1.0]
+    chain = {"segment_starts": [1, 5, 9], "boundary_values": [0.5, 0.25, 0.75],
+             "chain": {"boundaries": 3, "mc_continuations": 27, "mc_tokens": 100, "no_cutpoint": False, "capped": False}}
+    flat = {"segment_starts": [], "boundary_values": [],
+            "chain": {"boundaries": 0, "mc_continuations": 0, "mc_tokens": 0, "no_cutpoint": True, "capped": False}}
+    outputs = []
+    for spo, reward in ((chain, 1.0), (flat, 0.0)):
+        outputs.append(AgentLoopOutput(
+            prompt_ids=[3, 4], response_ids=list(range(11)), response_mask=[1] * 11,
+            response_logprobs=[float(np.log(p)) for p in probs], reward_score=reward, num_turns=2,
+            metrics=AgentLoopMetrics(), extra_fields={"spo": spo, "turn_scores": [], "tool_rewards": []},
+        ))
+    batch = store(outputs, lambda s: "chain1")
+    metrics = {}
+    trainer("spo_chain")._compute_advantage(batch, metrics)
+    stored = tq.kv_batch_get(keys=batch.keys, partition_id="train", select_fields=["advantages", "response_mask"])
+    advantages = stored["advantages"].to_padded_tensor(0.0)
+    assert advantages[0].tolist() == pytest.approx([0, -0.25, -0.25, -0.25, -0.25, 0.5, 0.5, 0.5, 0.5, 0.25, 0.25])
+    assert advantages[1].abs().sum() == 0
+    # The chain estimator trains every token (the probability mask is applied by the loss).
+    assert stored["response_mask"].to_padded_tensor(0).sum() == 22
+    assert metrics["spo/chain/boundaries_per_response"] == 1.5
+    assert metrics["spo/chain/mc_continuations"] == 27 and metrics["spo/chain/no_cutpoint_fraction"] == 0.5
+    assert metrics["spo/chain/boundary_value_mean"] == pytest.approx(0.5)

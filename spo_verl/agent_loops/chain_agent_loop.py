@@ -25,7 +25,7 @@ from verl.utils.reward_score import default_compute_score
 
 from spo_verl.batch_context import SPO_FIELD
 from spo_verl.config import parse_spo_settings
-from spo_verl.rollout.chain import BoundaryValueCache, monte_carlo_value, segment_starts
+from spo_verl.rollout.chain import BoundaryValueCache, cap_boundaries, monte_carlo_value, segment_starts
 
 PROCESSED_LOGPROBS = "processed_logprobs"
 
@@ -80,9 +80,8 @@ class SPOChainAgentLoop(AgentLoopBase):
             delimiters = (
                 _delimiter_token_ids(self.tokenizer, self.settings.delimiter) if self.settings.partition == "delimiter" else ()
             )
-            starts = segment_starts(self.settings, token_ids, log_probs, delimiters)
-            capped = self.settings.max_boundaries is not None and len(starts) > self.settings.max_boundaries
-            starts = starts[: self.settings.max_boundaries] if capped else starts
+            found = segment_starts(self.settings, token_ids, log_probs, delimiters)
+            starts, capped = cap_boundaries(self.settings, found, self.response_length)
             score = functools.partial(self._score, kwargs)
             estimates = [
                 job.cache.value(
@@ -103,7 +102,7 @@ class SPOChainAgentLoop(AgentLoopBase):
                 "boundaries": len(starts),
                 "mc_continuations": sum(v.continuations for v in started_here),
                 "mc_tokens": sum(v.continuation_tokens for v in started_here),
-                "no_cutpoint": self.settings.partition == "cutpoint" and not starts,
+                "no_cutpoint": self.settings.partition == "cutpoint" and not found,
                 "capped": capped,
             },
         }

@@ -30,6 +30,21 @@ def segment_starts(settings: ChainSettings, token_ids: Sequence[int], log_probs:
     return delimiter_segment_starts(token_ids, delimiter_token_ids)
 
 
+def cap_boundaries(settings: ChainSettings, starts: list[int], response_length: int) -> tuple[list[int], bool]:
+    """The boundaries that fit the per-response caps, in order, and whether any was dropped."""
+    kept = starts[: settings.max_boundaries] if settings.max_boundaries is not None else list(starts)
+    if settings.max_mc_tokens_per_response is not None:
+        budget, fitting = settings.max_mc_tokens_per_response, []
+        for start in kept:
+            worst_case = settings.mc_samples * max(response_length - start, 1)
+            if worst_case > budget:
+                break
+            budget -= worst_case
+            fitting.append(start)
+        kept = fitting
+    return kept, len(kept) < len(starts)
+
+
 @dataclass
 class BoundaryValue:
     value: float
