@@ -37,16 +37,16 @@ class _TreeJob:
 def tree_statistics(tree: SampledTree) -> dict[str, Any]:
     """Shape and cost of one tree, for the ``spo/tree/*`` metrics."""
     depth = len(tree.branching)
-    internal_or_leaf = tree.nodes[1:]
+    segments = tree.nodes[1:]
     leaves = tree.leaves()
     early_stops = [0] * depth
     for leaf in leaves:
         if tree.nodes[leaf].depth < depth:
             early_stops[tree.nodes[leaf].depth - 1] += 1
-    generated = sum(len(node.token_ids) for node in internal_or_leaf)
+    generated = sum(len(node.token_ids) for node in segments)
     independent = sum(len(tree.prefix(leaf)[0]) for leaf in leaves)
     return {
-        "nodes": len(internal_or_leaf),
+        "nodes": len(segments),
         "leaves": len(leaves),
         "early_stops_per_depth": early_stops,
         "generated_tokens": generated,
