@@ -16,7 +16,7 @@ stamp="$venv/.spo-setup-stamp"
 want_stamp="$(cat pyproject.toml scripts/setup_env.sh | sha256sum | cut -d' ' -f1)"
 
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want_stamp" ]] \
-   && "$venv/bin/python" -c "import spo_verl, verl, vllm, transfer_queue" 2>/dev/null; then
+   && "$venv/bin/python" -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in ('spo_verl', 'verl', 'vllm', 'transfer_queue')))" 2>/dev/null; then
   echo "setup: .venv is up to date"
   exit 0
 fi
