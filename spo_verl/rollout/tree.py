@@ -98,34 +98,38 @@ async def sample_tree(
     response_length: int,
     eos_token_ids: Collection[int],
 ) -> SampledTree:
-    """Expand the tree depth by depth: each live node gets ``branching[d]`` children of at most
-    ``segment_budgets[d]`` tokens; the last depth runs to EOS or the response-length limit."""
+    """Expand the tree: each live node at depth d gets ``branching[d]`` children of at most
+    ``segment_budgets[d]`` tokens; the last depth runs to EOS or the response-length limit.
+
+    A node's children are requested together as soon as the node's own segment is done, so a slow
+    sibling never holds up the rest of the tree (all nodes of a depth still run concurrently).
+    """
     if len(segment_budgets) != len(branching) - 1:
         raise ValueError(f"need {len(branching) - 1} segment budgets for branching {list(branching)}, got {list(segment_budgets)}")
     tree = SampledTree(prompt_ids=list(prompt_ids), branching=tuple(branching), nodes=[TreeNode(ROOT, -1, 0)])
-    frontier = [ROOT]
-    for depth, width in enumerate(branching):
+
+    async def expand(parent: int, prefix: list[int]) -> None:
+        depth = tree.nodes[parent].depth
         is_last = depth == len(branching) - 1
-        requests = []
-        for parent in frontier:
-            prefix, _ = tree.prefix(parent)
-            remaining = response_length - len(prefix)
-            max_tokens = remaining if is_last else min(segment_budgets[depth], remaining)
-            params = {**sampling_params, "max_tokens": max_tokens}
-            for _ in range(width):
-                requests.append((parent, max_tokens, generate(request_id, prompt_ids=tree.prompt_ids + prefix, sampling_params=params)))
-        outputs = await asyncio.gather(*(call for _, _, call in requests))
-        frontier = []
-        for (parent, max_tokens, _), output in zip(requests, outputs):
+        remaining = response_length - len(prefix)
+        max_tokens = remaining if is_last else min(segment_budgets[depth], remaining)
+        params = {**sampling_params, "max_tokens": max_tokens}
+        outputs = await asyncio.gather(
+            *(generate(request_id, prompt_ids=tree.prompt_ids + prefix, sampling_params=params) for _ in range(branching[depth]))
+        )
+        live = []
+        for output in outputs:
             token_ids = list(output.token_ids)
             log_probs = list(output.log_probs) if output.log_probs is not None else [0.0] * len(token_ids)
             node = TreeNode(len(tree.nodes), parent, depth + 1, token_ids, log_probs)
-            prefix_length = len(tree.prefix(parent)[0]) + len(token_ids)
-            node.stopped = is_last or prefix_length >= response_length or _is_stop(token_ids, max_tokens, eos_token_ids)
+            node.stopped = (
+                is_last or len(prefix) + len(token_ids) >= response_length or _is_stop(token_ids, max_tokens, eos_token_ids)
+            )
             tree.nodes.append(node)
             tree.nodes[parent].children.append(node.node_id)
             if not node.stopped:
-                frontier.append(node.node_id)
-        if not frontier:
-            break
+                live.append((node.node_id, prefix + token_ids))
+        await asyncio.gather(*(expand(child, child_prefix) for child, child_prefix in live))
+
+    await expand(ROOT, [])
     return tree
