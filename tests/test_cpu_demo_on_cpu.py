@@ -2,6 +2,8 @@
 
 import re
 import subprocess
+
+import pytest
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -24,3 +26,13 @@ def test_cpu_demo_runs_on_policy_iterations_and_writes_the_segment_view(tmp_path
     assert all(3 <= n <= 12 for n in nodes)  # branching 3,3: 3 first segments, at most 9 more
     page = (tmp_path / "segments.html").read_text()
     assert page.count("class='seg'") >= 3 and "reward" in page
+
+
+def test_benchmark_prints_side_by_side_ratios():
+    result = subprocess.run(["bash", str(REPO / "scripts" / "benchmark.sh"), "--skip-rollout"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = re.findall(r"^(\d+ (?:trees|chains).*?)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x$", result.stdout, flags=re.MULTILINE)
+    assert len(rows) == 4
+    for _, reference, batched, ratio in rows:
+        assert float(ratio) == pytest.approx(float(reference) / float(batched), rel=0.1, abs=0.1)
