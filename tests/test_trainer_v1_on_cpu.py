@@ -139,9 +139,10 @@ def test_actor_update_gets_only_rows_that_train_something(transfer_queue, monkey
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
     outputs = [leaf([1 + i // 3, 4 + i], [2, 5], r, {"tree_id": "tree2"}) for i, r in enumerate(PAPER_LEAF_REWARDS)]
-    batch = store(outputs, lambda s: "tree2")
+    stored = store(outputs, lambda s: "tree2")
     spo_trainer = trainer()
-    spo_trainer._compute_advantage(batch, {})
+    batch = spo_trainer._compute_advantage(stored, {})  # what verl's step hands on to the actor update
+    assert batch.keys == stored.keys
     updated = {}
 
     def verl_update(self, update, metrics):
@@ -167,9 +168,8 @@ def test_a_step_with_nothing_to_train_skips_the_actor(transfer_queue, monkeypatc
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
     outputs = [leaf([1 + i // 3, 4 + i], [2, 5], 1.0, {"tree_id": "tree3"}) for i in range(9)]  # all equal
-    batch = store(outputs, lambda s: "tree3")
     spo_trainer = trainer()
-    spo_trainer._compute_advantage(batch, {})
+    batch = spo_trainer._compute_advantage(store(outputs, lambda s: "tree3"), {})
     monkeypatch.setattr(PPOTrainerSync, "_update_actor", lambda *a: pytest.fail("actor update without tokens"))
     metrics = {}
     assert spo_trainer._update_actor(batch, metrics) is batch
