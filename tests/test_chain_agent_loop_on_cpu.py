@@ -19,7 +19,7 @@ from spo_verl.testing.verl_harness import make_agent_loop, run_sessions
 from spo_verl.trainer.common import batch_metrics
 
 in_session_loop = pytest.mark.asyncio(loop_scope="session")  # the vLLM engine lives there
-RESPONSE_LENGTH = 32
+RESPONSE_LENGTH = 48  # as the session engine (conftest.py): verl sizes its servers from rollout.response_length
 MC_SAMPLES = 3
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
 REWARD_SOURCE = '''

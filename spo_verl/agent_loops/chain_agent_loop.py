@@ -74,7 +74,8 @@ class SPOChainAgentLoop(AgentLoopBase):
         request_id = uuid4().hex  # the response and all its continuations: one server, warm prefix cache
         metrics: dict[str, float] = {}
         with simple_timer("generate_sequences", metrics):
-            output = await self.server_manager.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params)
+            response_params = {**sampling_params, "max_tokens": self.response_length}
+            output = await self.server_manager.generate(request_id, prompt_ids=prompt_ids, sampling_params=response_params)
             token_ids = list(output.token_ids)[: self.response_length]
             log_probs = list(output.log_probs or [])[: self.response_length]
             delimiters = (
