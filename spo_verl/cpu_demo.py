@@ -98,12 +98,13 @@ async def one_iteration(step, config, server, tokenizer, actor, reference, optim
 
     prompts = [out.prompt_ids for out in leaves]
     responses = [out.response_ids for out in leaves]
+    # On-policy: before the update the actor is the sampling policy, so one forward gives both the
+    # graph for the loss and (detached) the old log-probs.
+    nested_log_probs, old_log_probs = model_log_probs(actor, prompts, responses, TEMPERATURE)
     with torch.no_grad():
-        _, old_log_probs = model_log_probs(actor, prompts, responses, TEMPERATURE)
         _, ref_log_probs = model_log_probs(reference, prompts, responses, TEMPERATURE)
     batch = actor_batch(prompts, responses, tokenizer.pad_token_id, width, response_mask=trained_mask,
                         old_log_probs=old_log_probs, ref_log_prob=ref_log_probs, advantages=advantages)
-    nested_log_probs, _ = model_log_probs(actor, prompts, responses, TEMPERATURE)
     loss, _ = spo_ppo_loss(actor_config, {"log_probs": nested_log_probs}, batch)
     optimizer.zero_grad()
     loss.backward()

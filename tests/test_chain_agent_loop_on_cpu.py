@@ -1,13 +1,10 @@
 """The spo_chain agent loop against a real vLLM engine on CPU, then through verl's advantage step."""
 
 import math
-import os
 
 import numpy as np
 import pytest
 import torch
-import verl
-from hydra import compose, initialize_config_dir
 from verl import DataProto
 from verl.trainer.ppo.ray_trainer import compute_advantage
 
@@ -15,7 +12,7 @@ import spo_verl.register  # noqa: F401
 from spo_verl.agent_loops.chain_agent_loop import SPOChainAgentLoop
 from spo_verl.algorithms import chain_token_advantages, cutpoint_segment_starts
 from spo_verl.batch_context import provide_spo_rows
-from spo_verl.testing.verl_harness import make_agent_loop, run_sessions
+from spo_verl.testing.verl_harness import compose_ppo_trainer, make_agent_loop, run_sessions
 from spo_verl.trainer.common import batch_metrics
 
 in_session_loop = pytest.mark.asyncio(loop_scope="session")  # the vLLM engine lives there
@@ -36,22 +33,17 @@ def reward_file(tmp_path_factory):
 
 
 def chain_config(model_dir, reward_file, *extra):
-    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
-    with initialize_config_dir(config_dir=config_dir, version_base=None):
-        return compose(
-            config_name="ppo_trainer",
-            overrides=[
-                f"actor_rollout_ref.model.path={model_dir}",
-                "actor_rollout_ref.rollout.n=4",
-                f"actor_rollout_ref.rollout.response_length={RESPONSE_LENGTH}",
-                "actor_rollout_ref.rollout.prompt_length=64",
-                f"reward.custom_reward_function.path={reward_file}",
-                "reward.custom_reward_function.name=contains_answer",
-                f"+algorithm.spo.chain.mc_samples={MC_SAMPLES}",
-                "+algorithm.spo.chain.cutpoint_interval=4",
-                *extra,
-            ],
-        )
+    return compose_ppo_trainer(
+        f"actor_rollout_ref.model.path={model_dir}",
+        "actor_rollout_ref.rollout.n=4",
+        f"actor_rollout_ref.rollout.response_length={RESPONSE_LENGTH}",
+        "actor_rollout_ref.rollout.prompt_length=64",
+        f"reward.custom_reward_function.path={reward_file}",
+        "reward.custom_reward_function.name=contains_answer",
+        f"+algorithm.spo.chain.mc_samples={MC_SAMPLES}",
+        "+algorithm.spo.chain.cutpoint_interval=4",
+        *extra,
+    )
 
 
 async def sample(config, server, tokenizer, uid, text="Say 7 then stop.", ground_truth="7"):

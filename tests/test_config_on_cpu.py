@@ -1,10 +1,7 @@
 """algorithm.spo settings: defaults, validation messages, and composition with verl's real config tree."""
 
-import os
 
 import pytest
-import verl
-from hydra import compose, initialize_config_dir
 from hydra.errors import InstantiationException
 from omegaconf import OmegaConf
 from verl.utils.config import omega_conf_to_dataclass
@@ -12,8 +9,8 @@ from verl.utils.config import omega_conf_to_dataclass
 import spo_verl.register  # noqa: F401
 from spo_verl.config import SPOConfigError, parse_spo_settings, tree_segment_budgets
 from spo_verl.policy_loss import SPOPolicyLossConfig
+from spo_verl.testing.verl_harness import compose_ppo_trainer
 
-VERL_CONFIG_DIR = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
 
 
 def test_defaults_are_the_papers():
@@ -53,8 +50,7 @@ def test_per_depth_segment_budgets():
 
 
 def compose_verl(overrides):
-    with initialize_config_dir(config_dir=VERL_CONFIG_DIR, version_base=None):
-        return compose(config_name="ppo_trainer", overrides=overrides)
+    return compose_ppo_trainer(*overrides)
 
 
 SPO_LOSS_OVERRIDES = [

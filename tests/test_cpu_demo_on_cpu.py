@@ -2,8 +2,6 @@
 
 import re
 import subprocess
-
-import pytest
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,4 +33,8 @@ def test_benchmark_prints_side_by_side_ratios():
     rows = re.findall(r"^(\d+ (?:trees|chains).*?)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x$", result.stdout, flags=re.MULTILINE)
     assert len(rows) == 4
     for _, reference, batched, ratio in rows:
-        assert float(ratio) == pytest.approx(float(reference) / float(batched), rel=0.1, abs=0.1)
+        # Times are printed to 0.1 ms and the ratio to 0.1, from unrounded times: check within rounding.
+        reference, batched, ratio = float(reference), float(batched), float(ratio)
+        low = max(reference - 0.05, 0) / (batched + 0.05) - 0.05
+        high = (reference + 0.05) / max(batched - 0.05, 1e-9) + 0.05
+        assert low <= ratio <= high

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 from tensordict import TensorDict
-from verl.trainer.ppo.core_algos import agg_loss, compute_policy_loss_vanilla, get_policy_loss_fn
+from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla, get_policy_loss_fn
 from verl.utils import tensordict_utils as tu
 from verl.workers.config import ActorConfig, PolicyLossConfig
 from verl.workers.utils.losses import ppo_loss

@@ -4,7 +4,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 
 CHECK = (
     "from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, POLICY_LOSS_REGISTRY; "

@@ -1,14 +1,10 @@
 """The spo_tree agent loop against a real vLLM engine on CPU, then through verl's advantage step."""
 
-import asyncio
 import math
-import os
 
 import numpy as np
 import pytest
 import torch
-import verl
-from hydra import compose, initialize_config_dir
 from verl import DataProto
 from verl.trainer.ppo.ray_trainer import compute_advantage
 
@@ -16,7 +12,7 @@ import spo_verl.register  # noqa: F401
 from spo_verl.agent_loops.tree_agent_loop import SPOTreeAgentLoop
 from spo_verl.algorithms import tree_advantages, tree_values
 from spo_verl.batch_context import provide_spo_rows
-from spo_verl.testing.verl_harness import make_agent_loop, run_sessions
+from spo_verl.testing.verl_harness import compose_ppo_trainer, make_agent_loop, run_sessions
 
 in_session_loop = pytest.mark.asyncio(loop_scope="session")  # the vLLM engine lives there
 
@@ -26,21 +22,16 @@ RESPONSE_LENGTH = 40
 
 
 def verl_config(model_dir, *extra):
-    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
-    with initialize_config_dir(config_dir=config_dir, version_base=None):
-        return compose(
-            config_name="ppo_trainer",
-            overrides=[
-                f"actor_rollout_ref.model.path={model_dir}",
-                f"actor_rollout_ref.rollout.n={math.prod(BRANCHING)}",
-                f"actor_rollout_ref.rollout.response_length={RESPONSE_LENGTH}",
-                "actor_rollout_ref.rollout.prompt_length=64",
-                "actor_rollout_ref.rollout.agent.default_agent_loop=spo_tree",
-                f"+algorithm.spo.tree.branching={BRANCHING}",
-                f"+algorithm.spo.tree.segment_tokens={SEGMENT_TOKENS}",
-                *extra,
-            ],
-        )
+    return compose_ppo_trainer(
+        f"actor_rollout_ref.model.path={model_dir}",
+        f"actor_rollout_ref.rollout.n={math.prod(BRANCHING)}",
+        f"actor_rollout_ref.rollout.response_length={RESPONSE_LENGTH}",
+        "actor_rollout_ref.rollout.prompt_length=64",
+        "actor_rollout_ref.rollout.agent.default_agent_loop=spo_tree",
+        f"+algorithm.spo.tree.branching={BRANCHING}",
+        f"+algorithm.spo.tree.segment_tokens={SEGMENT_TOKENS}",
+        *extra,
+    )
 
 
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}

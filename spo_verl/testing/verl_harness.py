@@ -6,15 +6,27 @@ building the actor's training batch the way the trainer does (left/right padding
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+import verl
+from hydra import compose, initialize_config_dir
 from tensordict import TensorDict
 from verl.experimental.agent_loop.agent_loop import DictConfigWrap
 from verl.utils import tensordict_utils as tu
 from verl.utils.dataset.rl_dataset import RLHFDataset
 from verl.workers.utils.padding import left_right_2_no_padding
+
+
+VERL_CONFIG_DIR = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+
+
+def compose_ppo_trainer(*overrides: str):
+    """verl's own ``ppo_trainer`` configuration with Hydra overrides, as ``main_ppo`` composes it."""
+    with initialize_config_dir(config_dir=VERL_CONFIG_DIR, version_base=None):
+        return compose(config_name="ppo_trainer", overrides=list(overrides))
 
 
 def make_agent_loop(loop_class, config, server, tokenizer):
