@@ -120,6 +120,25 @@ def _tree_advantage_metrics(result) -> dict[str, float]:
     return metrics
 
 
+def _check_one_tree_per_uid(index: np.ndarray | None, tree_ids: Sequence) -> None:
+    """A prompt's leaves must come from one tree; two trees under one uid (e.g. a prompt's sessions
+    split across agent-loop workers) would be mixed into one set of node values."""
+    if index is None:
+        return
+    trees_of_uid: dict[Any, set] = {}
+    for uid, tree_id in zip(index, tree_ids):
+        if tree_id is not None:
+            trees_of_uid.setdefault(uid, set()).add(tree_id)
+    split = {uid: trees for uid, trees in trees_of_uid.items() if len(trees) > 1}
+    if split:
+        uid, trees = next(iter(split.items()))
+        raise ValueError(
+            f"spo_tree: the leaves of prompt uid={uid} come from {len(trees)} different trees; all rollout.n sessions "
+            f"of a prompt must run in one agent-loop worker (legacy trainer: data.train_batch_size must be a multiple "
+            f"of actor_rollout_ref.rollout.agent.num_workers)"
+        )
+
+
 @register_adv_est("spo_tree")
 def compute_spo_tree_advantage(
     token_level_rewards: torch.Tensor,
@@ -149,6 +168,7 @@ def compute_spo_tree_advantage(
             raise ValueError(f"spo_tree row {b}: no tree_id in its metadata and no uid to group by")
         paths.append(list(_field(row, "path", "spo_tree")))
         ends.append(list(_field(row, "segment_ends", "spo_tree")))
+    _check_one_tree_per_uid(index, tree_ids)
     result = tree_token_advantages(
         tree_ids,
         paths,

@@ -26,6 +26,7 @@ from verl.utils.reward_score import default_compute_score
 from spo_verl.batch_context import SPO_FIELD
 from spo_verl.config import parse_spo_settings
 from spo_verl.rollout.chain import BoundaryValueCache, cap_boundaries, monte_carlo_value, segment_starts
+from spo_verl.rollout.server_output import check_not_aborted, merged_weight_versions
 
 PROCESSED_LOGPROBS = "processed_logprobs"
 
@@ -76,6 +77,7 @@ class SPOChainAgentLoop(AgentLoopBase):
         with simple_timer("generate_sequences", metrics):
             response_params = {**sampling_params, "max_tokens": self.response_length}
             output = await self.server_manager.generate(request_id, prompt_ids=prompt_ids, sampling_params=response_params)
+            check_not_aborted(output, "response")
             token_ids = list(output.token_ids)[: self.response_length]
             log_probs = list(output.log_probs or [])[: self.response_length]
             delimiters = (
@@ -114,7 +116,12 @@ class SPOChainAgentLoop(AgentLoopBase):
             response_logprobs=log_probs or None,
             num_turns=2,
             metrics=AgentLoopMetrics(**metrics),
-            extra_fields={SPO_FIELD: spo, "turn_scores": [], "tool_rewards": []},
+            extra_fields={
+                **merged_weight_versions([output.extra_fields or {}]),
+                SPO_FIELD: spo,
+                "turn_scores": [],
+                "tool_rewards": [],
+            },
         )
 
     async def _score(self, row: dict[str, Any], response_ids: list[int]) -> float:

@@ -23,6 +23,7 @@ from verl.utils.profiler import simple_timer
 
 from spo_verl.batch_context import SPO_FIELD
 from spo_verl.config import parse_spo_settings, tree_segment_budgets
+from spo_verl.rollout.server_output import merged_weight_versions
 from spo_verl.rollout.tree import SampledTree, sample_tree
 
 
@@ -83,10 +84,10 @@ class SPOTreeAgentLoop(AgentLoopBase):
                 self._jobs.pop(uid, None)
         leaf, first = tree.slot_leaf(slot)
         if first:
-            return self._leaf_output(tree, leaf, uid, metrics, trains=True)
+            return self._leaf_output(tree, leaf, metrics, trains=True)
         if not self.legacy_trainer:
             return []
-        return self._leaf_output(tree, leaf, uid, metrics, trains=False)
+        return self._leaf_output(tree, leaf, metrics, trains=False)
 
     async def _sample(self, sampling_params: dict[str, Any], kwargs: dict[str, Any]) -> tuple[SampledTree, dict]:
         prompt_ids = await self.ct_build_initial_tokens(list(kwargs["raw_prompt"]))
@@ -104,10 +105,10 @@ class SPOTreeAgentLoop(AgentLoopBase):
             )
         return tree, metrics
 
-    def _leaf_output(self, tree: SampledTree, leaf: int, uid: str, metrics: dict, trains: bool) -> AgentLoopOutput:
+    def _leaf_output(self, tree: SampledTree, leaf: int, metrics: dict, trains: bool) -> AgentLoopOutput:
         token_ids, log_probs = tree.prefix(leaf)
         spo = {
-            "tree_id": uid,
+            "tree_id": tree.tree_id,  # unique per sampled tree; the estimator checks one tree per uid
             "path": tree.path(leaf),
             "segment_ends": tree.segment_ends(leaf),
             "trains": trains,
@@ -120,7 +121,12 @@ class SPOTreeAgentLoop(AgentLoopBase):
             response_logprobs=log_probs,
             num_turns=2,
             metrics=AgentLoopMetrics(**metrics),
-            extra_fields={SPO_FIELD: spo, "turn_scores": [], "tool_rewards": []},
+            extra_fields={
+                **merged_weight_versions(tree.server_fields(leaf)),
+                SPO_FIELD: spo,
+                "turn_scores": [],
+                "tool_rewards": [],
+            },
         )
 
 

@@ -14,6 +14,7 @@ from spo_verl.algorithms.segments import (
     fixed_count_segment_starts,
 )
 from spo_verl.config import ChainSettings
+from spo_verl.rollout.server_output import check_not_aborted
 
 Generate = Callable[..., Awaitable[object]]
 ScoreResponse = Callable[[list[int]], Awaitable[float]]
@@ -84,6 +85,8 @@ async def monte_carlo_value(
     outputs = await asyncio.gather(
         *(generate(request_id, prompt_ids=prompt_ids + prefix, sampling_params=params) for _ in range(samples))
     )
+    for out in outputs:
+        check_not_aborted(out, "Monte Carlo continuation")
     scores = await asyncio.gather(*(score_response(prefix + list(out.token_ids)) for out in outputs))
     return BoundaryValue(
         value=sum(scores) / samples,

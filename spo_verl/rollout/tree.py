@@ -14,6 +14,8 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from spo_verl.rollout.server_output import check_not_aborted
+
 Generate = Callable[..., Awaitable[Any]]
 ROOT = 0
 
@@ -27,6 +29,7 @@ class TreeNode:
     log_probs: list[float] = field(default_factory=list)
     children: list[int] = field(default_factory=list)
     stopped: bool = False  # ended with EOS or at the response-length limit
+    server_fields: dict = field(default_factory=dict)  # TokenOutput.extra_fields (weight versions)
 
 
 @dataclass
@@ -34,6 +37,7 @@ class SampledTree:
     prompt_ids: list[int]
     branching: tuple[int, ...]
     nodes: list[TreeNode]
+    tree_id: str = ""
 
     def path(self, node_id: int) -> list[int]:
         """Node ids from the root's child down to ``node_id``."""
@@ -49,6 +53,9 @@ class SampledTree:
             token_ids += self.nodes[step].token_ids
             log_probs += self.nodes[step].log_probs
         return token_ids, log_probs
+
+    def server_fields(self, node_id: int) -> list[dict]:
+        return [self.nodes[step].server_fields for step in self.path(node_id)]
 
     def segment_ends(self, node_id: int) -> list[int]:
         ends, position = [], 0
@@ -106,7 +113,9 @@ async def sample_tree(
     """
     if len(segment_budgets) != len(branching) - 1:
         raise ValueError(f"need {len(branching) - 1} segment budgets for branching {list(branching)}, got {list(segment_budgets)}")
-    tree = SampledTree(prompt_ids=list(prompt_ids), branching=tuple(branching), nodes=[TreeNode(ROOT, -1, 0)])
+    tree = SampledTree(
+        prompt_ids=list(prompt_ids), branching=tuple(branching), nodes=[TreeNode(ROOT, -1, 0)], tree_id=request_id
+    )
 
     async def expand(parent: int, prefix: list[int]) -> None:
         depth = tree.nodes[parent].depth
@@ -119,9 +128,11 @@ async def sample_tree(
         )
         live = []
         for output in outputs:
+            check_not_aborted(output, "tree segment")
             token_ids = list(output.token_ids)
             log_probs = list(output.log_probs) if output.log_probs is not None else [0.0] * len(token_ids)
-            node = TreeNode(len(tree.nodes), parent, depth + 1, token_ids, log_probs)
+            node = TreeNode(len(tree.nodes), parent, depth + 1, token_ids, log_probs,
+                            server_fields=dict(getattr(output, "extra_fields", None) or {}))
             node.stopped = (
                 is_last or len(prefix) + len(token_ids) >= response_length or _is_stop(token_ids, max_tokens, eos_token_ids)
             )

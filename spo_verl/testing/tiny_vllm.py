@@ -61,6 +61,7 @@ CHARACTERS = (
     + [" ", "\n"]
     + list("+-*/=()")
     + list(".,:;?!'_<>")
+    + ["#"]  # GSM8K-style answers ("#### 7"), scored by verl's own gsm8k reward
 )
 
 
@@ -100,9 +101,9 @@ CHAT_TEMPLATE = (
 def build_tiny_tokenizer(directory: str | os.PathLike):
     """Build a deterministic character-level tokenizer, save it to ``directory`` and return it.
 
-    Vocabulary (86 tokens, ids in this order): ``<pad>`` (0), ``<unk>`` (1), ``<|im_start|>`` (2),
+    Vocabulary (87 tokens, ids in this order): ``<pad>`` (0), ``<unk>`` (1), ``<|im_start|>`` (2),
     ``<|im_end|>`` (3), ``<eos>`` (4), then the digits, ``a``-``z``, ``A``-``Z``, space, newline and
-    ``+-*/=().,:;?!'_<>``. Special tokens are matched as whole strings.
+    ``+-*/=().,:;?!'_<>#``. Special tokens are matched as whole strings.
 
     It is a byte-level BPE *without merges* (every character is one token), i.e. the same pipeline
     as Qwen2's tokenizer: transformers 5 always loads a ``model_type == "qwen2"`` checkpoint with

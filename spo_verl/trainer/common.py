@@ -12,10 +12,55 @@ from spo_verl.batch_context import SPOBatchContext
 from spo_verl.policy_loss import LOSS_NAME, spo_ppo_loss
 
 SPO_ESTIMATORS = ("spo_chain", "spo_tree")
+SPO_AGENT_LOOPS = ("spo_chain", "spo_tree")
+# Validation scores one answer per session: SPO's trees and Monte Carlo continuations are for training.
+VALIDATION_AGENT_LOOP = "single_turn_agent"
+
+
+class PlainValidationBatches:
+    """A validation dataloader whose batches name verl's single-turn loop instead of SPO's loops.
+
+    verl validates through the rollout's default agent loop unless a row names one (``agent_name``);
+    an SPO loop there would sample a whole tree (or run Monte Carlo continuations) per validation
+    answer. Everything else about the dataloader (length, state) is verl's."""
+
+    def __init__(self, dataloader):
+        self._dataloader = dataloader
+
+    def __iter__(self):
+        for batch in self._dataloader:
+            rows = len(batch["raw_prompt"])
+            named = batch.get("agent_name")
+            names = [VALIDATION_AGENT_LOOP if named is None or named[i] in SPO_AGENT_LOOPS else named[i] for i in range(rows)]
+            batch["agent_name"] = np.array(names, dtype=object)
+            yield batch
+
+    def __len__(self):
+        return len(self._dataloader)
+
+    def __getattr__(self, name):
+        return getattr(self._dataloader, name)
+
+
+def plain_validation(trainer: Any) -> None:
+    """Make ``trainer.val_dataloader`` sample plain responses when the rollout uses an SPO loop."""
+    if trainer.config.actor_rollout_ref.rollout.agent.default_agent_loop in SPO_AGENT_LOOPS:
+        trainer.val_dataloader = PlainValidationBatches(trainer.val_dataloader)
 
 
 def uses_spo_metadata(config: Any) -> bool:
     return config.algorithm.adv_estimator in SPO_ESTIMATORS
+
+
+def check_no_per_row_rollout_n(config: Any, dataset: Any) -> None:
+    """verl's default trainer lets a dataset column ``__rollout_n__`` change the number of sessions of
+    a prompt; the ``spo_tree`` loop needs exactly one session per leaf slot."""
+    columns = getattr(getattr(dataset, "dataframe", None), "column_names", None) or []
+    if config.actor_rollout_ref.rollout.agent.default_agent_loop == "spo_tree" and "__rollout_n__" in columns:
+        raise ValueError(
+            "the training data has a __rollout_n__ column, which changes the number of sessions per prompt; "
+            "spo_tree needs actor_rollout_ref.rollout.n (the tree's leaf slots) for every prompt: drop the column"
+        )
 
 
 def install_spo_actor_loss(actor_worker_group: Any, config: Any) -> bool:

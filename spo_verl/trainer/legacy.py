@@ -17,7 +17,7 @@ import verl.trainer.ppo.ray_trainer as ray_trainer_module
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
 from spo_verl.batch_context import SPO_FIELD, provide_spo_rows
-from spo_verl.trainer.common import SPO_ESTIMATORS, batch_metrics, install_spo_actor_loss
+from spo_verl.trainer.common import SPO_ESTIMATORS, batch_metrics, install_spo_actor_loss, plain_validation
 from spo_verl.trainer.v1 import lift_spo_metrics
 
 _verl_compute_advantage = ray_trainer_module.compute_advantage
@@ -46,6 +46,10 @@ def spo_advantage_hook() -> Iterator[None]:
 
 
 class SPORayPPOTrainer(RayPPOTrainer):
+    def _create_dataloader(self, *args, **kwargs):
+        super()._create_dataloader(*args, **kwargs)
+        plain_validation(self)
+
     def init_workers(self):
         super().init_workers()
         install_spo_actor_loss(self.actor_rollout_wg, self.config)

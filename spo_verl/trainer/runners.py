@@ -23,6 +23,12 @@ class _SPOTaskRunnerV1(TaskRunnerV1.__ray_actor_class__):
 
 
 class _SPOLegacyTaskRunner(main_ppo_v0.TaskRunner.__ray_actor_class__):
+    def __init__(self):
+        # verl's TaskRunner.__init__ is a zero-argument super().__init__(); when Ray ships this
+        # subclass to the actor process that call fails ("obj must be an instance or subtype of
+        # type"). It only runs BaseTaskRunner.__init__, so call that directly.
+        main_ppo_v0.BaseTaskRunner.__init__(self)
+
     def run(self, config):
         with mock.patch.object(main_ppo_v0, "RayPPOTrainer", SPORayPPOTrainer):
             return super().run(config)

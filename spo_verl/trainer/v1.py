@@ -26,7 +26,14 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.workers.utils.padding import response_to_nested
 
 from spo_verl.batch_context import provide_spo_rows
-from spo_verl.trainer.common import batch_metrics, install_spo_actor_loss, spo_rows_from_extra_fields, uses_spo_metadata
+from spo_verl.trainer.common import (
+    batch_metrics,
+    check_no_per_row_rollout_n,
+    install_spo_actor_loss,
+    plain_validation,
+    spo_rows_from_extra_fields,
+    uses_spo_metadata,
+)
 
 TRAINER_MODE = "spo"
 
@@ -46,6 +53,11 @@ class SPOTrainer(PPOTrainerSync):
     def init(self):
         super().init()
         install_spo_actor_loss(self.actor_rollout_wg, self.config)
+
+    def _init_dataloader(self):
+        super()._init_dataloader()
+        check_no_per_row_rollout_n(self.config, self.train_dataset)
+        plain_validation(self)
 
     def _compute_advantage(self, batch, metrics: dict):
         if not uses_spo_metadata(self.config):
