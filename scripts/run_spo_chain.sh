@@ -3,5 +3,5 @@
 # Same overrides as run_spo_tree.sh; the interval and the partition are one Hydra override each, e.g.
 #   bash scripts/run_spo_chain.sh algorithm.spo.chain.cutpoint_interval=2
 #   bash scripts/run_spo_chain.sh algorithm.spo.chain.partition=fixed_count
-ALGORITHM="${ALGORITHM:-spo_chain}" SETTING="${SETTING:-gsm8k-rhomath-1.1b}" \
+ALGORITHM="${ALGORITHM:-spo_chain}" CLUSTER_SETTING="gsm8k-rhomath-1.1b" \
   exec bash "$(dirname "${BASH_SOURCE[0]}")/spo_launch.sh" "$@"

@@ -1,12 +1,31 @@
 #!/usr/bin/env bash
-# Shared launcher of the run_*.sh scripts: the paper's setting for $SETTING, algorithm bundle
-# $ALGORITHM (recipe/spo/config/spo_algorithm/), environment overrides, and any extra arguments
-# passed to Hydra (e.g. --cfg job to print the composed configuration and start nothing).
+# Shared launcher of the run_*.sh scripts: the setting $SETTING, algorithm bundle $ALGORITHM
+# (recipe/spo/config/spo_algorithm/), environment overrides, and any extra arguments passed to Hydra
+# (e.g. --cfg job to print the composed configuration and start nothing).
+#
+# SETTING defaults to the script's cluster setting ($CLUSTER_SETTING) when a GPU is visible and to
+# cpu-tiny when none is: a tiny model and a small arithmetic data set built locally, trained through
+# verl's real trainer on the CPU (VERL_PLATFORM=spo_cpu, spo_verl/cpu_platform/).
 set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo_root"
 
-PYTHON="${PYTHON:-python3}"                       # the Python environment that has verl installed
+gpu_visible() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
+if [[ -z "${SETTING:-}" ]]; then
+  if gpu_visible; then
+    SETTING="$CLUSTER_SETTING"
+  else
+    SETTING=cpu-tiny
+    echo "spo: no GPU visible: training the embedded CPU default (SETTING=cpu-tiny: tiny local model, generated"
+    echo "spo: arithmetic problems scored by verl's GSM8K reward) through verl's trainer on the CPU."
+    echo "spo: set SETTING=$CLUSTER_SETTING to run the cluster setting instead."
+  fi
+fi
+
+# The Python environment that has verl installed: the set-up script's .venv when there is one.
+default_python=python3
+[[ -x "$repo_root/.venv/bin/python" ]] && default_python="$repo_root/.venv/bin/python"
+PYTHON="${PYTHON:-$default_python}"
 NNODES="${NNODES:-1}"
 GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
 DATA_DIR="${DATA_DIR:-$HOME/data/spo}"            # written by scripts/prepare_data.sh
@@ -14,6 +33,24 @@ PROJECT_NAME="${PROJECT_NAME:-spo}"
 EXPERIMENT_NAME="${EXPERIMENT_NAME:-${SETTING}-${ALGORITHM}}"
 CHECKPOINT_DIR="${CHECKPOINT_DIR:-checkpoints/${PROJECT_NAME}/${EXPERIMENT_NAME}}"
 export TENSORBOARD_DIR="${TENSORBOARD_DIR:-tensorboard_log/${PROJECT_NAME}/${EXPERIMENT_NAME}}"
+# verl's file logger: one JSON line per step, read back for the summary at the end.
+export VERL_FILE_LOGGER_PATH="${VERL_FILE_LOGGER_PATH:-logs/${PROJECT_NAME}/${EXPERIMENT_NAME}/metrics-$(date +%Y%m%d-%H%M%S).jsonl}"
+mkdir -p "$(dirname "$VERL_FILE_LOGGER_PATH")"
+# Known-harmless warnings every verl process prints at import (engines this install does not use).
+export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore:torchtitan engine is not available,ignore:veomni engine is not available,ignore:automodel engine is not available,ignore:mindspeed engine is not available,ignore:megatron engine is not available}"
+
+# The paper's optimiser and batching on a cluster (SPO.md section 5).
+cluster_args=(
+  actor_rollout_ref.actor.optim.lr=1e-6
+  actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.03
+  actor_rollout_ref.actor.use_dynamic_bsz=true
+  actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384
+  actor_rollout_ref.rollout.name=vllm
+  actor_rollout_ref.rollout.tensor_model_parallel_size=1
+  actor_rollout_ref.rollout.gpu_memory_utilization=0.6
+  actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16
+  actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16
+)
 
 case "$SETTING" in
   math-r1-1.5b)
@@ -22,6 +59,7 @@ case "$SETTING" in
     TRAIN_FILES="${TRAIN_FILES:-$DATA_DIR/math/train.parquet}"
     VAL_FILES="${VAL_FILES:-[$DATA_DIR/math500/test.parquet,$DATA_DIR/aime24/test.parquet]}"
     setting_args=(
+      "${cluster_args[@]}"
       data.train_batch_size=32                     # prompts per iteration
       data.max_prompt_length=512
       data.max_response_length="${MAX_RESPONSE_LENGTH:-1536}"  # 2K context; 3584 for the 4K stage
@@ -42,6 +80,7 @@ case "$SETTING" in
     TRAIN_FILES="${TRAIN_FILES:-$DATA_DIR/gsm8k/train.parquet}"
     VAL_FILES="${VAL_FILES:-[$DATA_DIR/gsm8k/test.parquet]}"
     setting_args=(
+      "${cluster_args[@]}"
       data.train_batch_size=64
       data.max_prompt_length=1023
       data.max_response_length=1024
@@ -56,37 +95,107 @@ case "$SETTING" in
       actor_rollout_ref.actor.ppo_epochs=2
     )
     ;;
+  cpu-tiny)
+    # verl's real trainer on the CPU (VERL_CPU_NOTES.md): the spo_cpu platform, logical Ray GPUs, the
+    # FSDP2 engine on gloo computing in float32, verl's vLLM server on vLLM's CPU backend.
+    cpu_cache="${SPO_CPU_CACHE:-$HOME/.cache/spo-verl/cpu-tiny}"
+    eval "$("$PYTHON" -m spo_verl.cpu_default --output-dir "$cpu_cache" | sed 's/^/cpu_/')"
+    MODEL_PATH="${MODEL_PATH:-$cpu_model}"
+    TRAIN_FILES="${TRAIN_FILES:-$cpu_train_files}"
+    VAL_FILES="${VAL_FILES:-$cpu_val_files}"
+    GPUS_PER_NODE=1
+    export VERL_PLATFORM=spo_cpu VERL_ENGINE_DEVICE=cuda   # verl's FSDP engine, on the device the platform names
+    export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
+    export VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}" VLLM_CPU_OMP_THREADS_BIND=nobind
+    export VLLM_WORKER_MULTIPROC_METHOD=spawn TORCH_COMPILE_DISABLE=1
+    fp32='{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}'
+    setting_args=(
+      data.train_batch_size=4
+      data.val_batch_size=20
+      data.max_prompt_length=64
+      data.max_response_length=32
+      data.dataloader_num_workers=0
+      actor_rollout_ref.rollout.temperature=1.0
+      algorithm.spo.tree.branching=[3,3]
+      algorithm.spo.tree.segment_tokens=[4]        # "a+b=" then the answer: siblings disagree
+      algorithm.spo.chain.cutpoint_interval=1
+      algorithm.spo.chain.mc_samples=4
+      actor_rollout_ref.actor.ppo_mini_batch_size=4
+      actor_rollout_ref.actor.optim.lr=2e-4
+      actor_rollout_ref.actor.use_dynamic_bsz=true   # micro-batches by tokens: tree batches vary in rows
+      actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096
+      actor_rollout_ref.actor.strategy=fsdp2
+      actor_rollout_ref.ref.strategy=fsdp2
+      actor_rollout_ref.actor.fsdp_config.model_dtype=fp32
+      actor_rollout_ref.ref.fsdp_config.model_dtype=fp32
+      "+actor_rollout_ref.actor.fsdp_config.mixed_precision=$fp32"
+      "+actor_rollout_ref.ref.fsdp_config.mixed_precision=$fp32"
+      critic.strategy=fsdp2
+      critic.fsdp.model_dtype=fp32
+      "+critic.fsdp.mixed_precision=$fp32"
+      critic.optim.lr=1e-4
+      actor_rollout_ref.model.use_remove_padding=false
+      critic.model.use_remove_padding=false
+      +actor_rollout_ref.model.override_config.attn_implementation=sdpa
+      actor_rollout_ref.model.enable_gradient_checkpointing=false
+      actor_rollout_ref.rollout.name=vllm
+      actor_rollout_ref.rollout.dtype=float32
+      actor_rollout_ref.rollout.enforce_eager=true
+      +actor_rollout_ref.rollout.enable_sleep_mode=false
+      actor_rollout_ref.rollout.free_cache_engine=false
+      actor_rollout_ref.rollout.tensor_model_parallel_size=1
+      actor_rollout_ref.rollout.max_model_len=256
+      actor_rollout_ref.rollout.max_num_seqs=64
+      actor_rollout_ref.rollout.max_num_batched_tokens=2048
+      actor_rollout_ref.rollout.gpu_memory_utilization=0.2   # of CPU memory, on vLLM's CPU backend
+      actor_rollout_ref.rollout.agent.num_workers=1
+      actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=64
+      transfer_queue.backend.SimpleStorage.num_data_storage_units=1
+      reward.num_workers=1
+      trainer.device=cpu
+      +ray_kwargs.ray_init.num_gpus=1                 # logical GPUs: verl's resource pools ask for GPU
+      ray_kwargs.ray_init.num_cpus=16                 # logical CPUs for verl's many small actors
+      +ray_kwargs.ray_init.include_dashboard=false
+      trainer.val_before_train=false
+      trainer.resume_mode=disable                    # each run trains from the base model; resume_mode=auto resumes
+    )
+    TOTAL_TRAINING_STEPS="${TOTAL_TRAINING_STEPS:-4}"
+    SAVE_FREQ="${SAVE_FREQ:-2}"
+    TEST_FREQ="${TEST_FREQ:-2}"
+    ;;
   *)
-    echo "spo_launch: unknown SETTING=$SETTING (allowed: math-r1-1.5b, gsm8k-rhomath-1.1b)" >&2
+    echo "spo_launch: unknown SETTING=$SETTING (allowed: math-r1-1.5b, gsm8k-rhomath-1.1b, cpu-tiny)" >&2
     exit 2
     ;;
 esac
 
-echo "spo: algorithm=$ALGORITHM setting=$SETTING model=$MODEL_PATH nodes=$NNODES gpus/node=$GPUS_PER_NODE"
-echo "spo: logs -> console and tensorboard at $TENSORBOARD_DIR; checkpoints -> $CHECKPOINT_DIR"
+step_args=()
+[[ -n "${TOTAL_TRAINING_STEPS:-}" ]] && step_args+=(trainer.total_training_steps="$TOTAL_TRAINING_STEPS")
 
-exec "$PYTHON" -m recipe.spo.main_spo \
+echo "spo: algorithm=$ALGORITHM setting=$SETTING model=$MODEL_PATH nodes=$NNODES gpus/node=$GPUS_PER_NODE"
+echo "spo: logs -> console, tensorboard at $TENSORBOARD_DIR and $VERL_FILE_LOGGER_PATH; checkpoints -> $CHECKPOINT_DIR"
+
+status=0
+"$PYTHON" -m recipe.spo.main_spo \
   spo_algorithm="$ALGORITHM" \
   actor_rollout_ref.model.path="$MODEL_PATH" \
   data.train_files="$TRAIN_FILES" \
   data.val_files="$VAL_FILES" \
   "${setting_args[@]}" \
-  actor_rollout_ref.actor.optim.lr=1e-6 \
-  actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.03 \
-  actor_rollout_ref.actor.use_dynamic_bsz=true \
-  actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384 \
-  actor_rollout_ref.rollout.name=vllm \
-  actor_rollout_ref.rollout.tensor_model_parallel_size=1 \
-  actor_rollout_ref.rollout.gpu_memory_utilization=0.6 \
-  actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16 \
-  actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16 \
   trainer.nnodes="$NNODES" \
   trainer.n_gpus_per_node="$GPUS_PER_NODE" \
   trainer.project_name="$PROJECT_NAME" \
   trainer.experiment_name="$EXPERIMENT_NAME" \
   trainer.default_local_dir="$CHECKPOINT_DIR" \
-  'trainer.logger=["console","tensorboard"]' \
+  'trainer.logger=["console","tensorboard","file"]' \
   trainer.total_epochs="${TOTAL_EPOCHS:-10}" \
   trainer.save_freq="${SAVE_FREQ:-50}" \
   trainer.test_freq="${TEST_FREQ:-10}" \
-  "$@"
+  "${step_args[@]}" \
+  "$@" || status=$?
+
+# One line per step a person can read, from verl's own metrics log (nothing if no step ran).
+if [[ -s "$VERL_FILE_LOGGER_PATH" ]]; then
+  "$PYTHON" -m spo_verl.run_summary "$VERL_FILE_LOGGER_PATH" || true
+fi
+exit "$status"

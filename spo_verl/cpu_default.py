@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shlex
 from pathlib import Path
 
 DATA_SOURCE = "openai/gsm8k"
@@ -125,7 +126,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     paths = build(args.output_dir)
     for key, value in paths.items():
-        print(f"{key}={value}")
+        print(f"{key}={shlex.quote(value)}")  # shell assignments: the launch script evaluates them
     return 0
 
 

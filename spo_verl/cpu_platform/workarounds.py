@@ -1,5 +1,5 @@
-"""The four places where verl 0.9.1 (or torch under it) assumes an accelerator, worked around for
-the ``spo_cpu`` platform only.
+"""The places where verl 0.9.1 (or torch under it) assumes an accelerator, worked around for the
+``spo_cpu`` platform only: the four of VERL_CPU_NOTES.md plus the PPO critic's attention.
 
 Each workaround checks, before patching, that verl's code still has the shape it works around
 (:class:`VerlChanged` otherwise: a new verl must be looked at, not patched blindly), and marks
@@ -32,6 +32,13 @@ def _require(condition: bool, where: str, expected: str) -> None:
         )
 
 
+def _source(obj) -> str:
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):  # no source to read: treat as changed
+        return ""
+
+
 def _mark(function):
     setattr(function, PATCHED, True)
     return function
@@ -51,7 +58,7 @@ def patch_process_group_backend() -> None:
     if _is_patched(original):
         return
     _require(
-        'f"cpu:gloo,{get_device_name()}:{get_nccl_backend()}"' in inspect.getsource(original),
+        'f"cpu:gloo,{get_device_name()}:{get_nccl_backend()}"' in _source(original),
         "verl.utils.distributed.initialize_global_process_group_ray",
         "builds its backend as cpu:gloo,<device>:<backend>",
     )
@@ -107,14 +114,14 @@ def patch_vllm_weight_sync() -> None:
         if _is_patched(original):
             return
         _require(
-            "vLLMColocateWorkerExtension" in inspect.getsource(original),
+            "vLLMColocateWorkerExtension" in _source(original),
             "verl.workers.rollout.vllm_rollout.vllm_async_server.vLLMHttpServer._get_worker_extension_cls",
             "names vLLMColocateWorkerExtension",
         )
         from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
 
         _require(
-            "process_weights_after_loading" in inspect.getsource(vLLMColocateWorkerExtension.update_weights_from_ipc),
+            "process_weights_after_loading" in _source(vLLMColocateWorkerExtension.update_weights_from_ipc),
             "vLLMColocateWorkerExtension.update_weights_from_ipc",
             "loads weights in place and re-processes them",
         )
@@ -136,7 +143,7 @@ def patch_fsdp_offload_pinning() -> None:
         if _is_patched(original):
             return
         _require(
-            "CPUOffloadPolicy(pin_memory=True)" in inspect.getsource(engine_module),
+            "CPUOffloadPolicy(pin_memory=True)" in _source(engine_module),
             "verl.workers.engine.fsdp.transformer_impl",
             "builds CPUOffloadPolicy(pin_memory=True)",
         )
@@ -150,11 +157,41 @@ def patch_fsdp_offload_pinning() -> None:
     after_import("verl.workers.engine.fsdp.transformer_impl", patch)
 
 
+# 5. verl/utils/model.py::load_valuehead_model (the PPO critic's model) asks transformers for
+#    attn_implementation="flash_attention_2", which has no CPU build. On CPU the critic uses sdpa.
+def patch_critic_attention() -> None:
+    import verl.utils.model as model_utils
+
+    original = model_utils.load_valuehead_model
+    if _is_patched(original):
+        return
+    _require(
+        'attn_implementation="flash_attention_2"' in _source(original),
+        "verl.utils.model.load_valuehead_model",
+        "loads the critic with flash_attention_2",
+    )
+
+    @functools.wraps(original)
+    def load_valuehead_model(local_path, torch_dtype, model_config, trust_remote_code):
+        from transformers import AutoModelForTokenClassification
+
+        return AutoModelForTokenClassification.from_pretrained(
+            pretrained_model_name_or_path=local_path,
+            torch_dtype=torch_dtype,
+            config=model_config,
+            attn_implementation="sdpa",
+            trust_remote_code=trust_remote_code,
+        )
+
+    model_utils.load_valuehead_model = _mark(load_valuehead_model)
+
+
 WORKAROUNDS = (
     patch_process_group_backend,
     patch_vllm_version_lookup,
     patch_vllm_weight_sync,
     patch_fsdp_offload_pinning,
+    patch_critic_attention,
 )
 
 

@@ -1,0 +1,205 @@
+"""End to end through verl 0.9.1's real trainer on the CPU, started by the run scripts exactly as a
+user starts them (``scripts/run_*.sh``, which run the recipe's entry point ``recipe.spo.main_spo``):
+verl's TaskRunner and Ray worker groups, the FSDP2 engine training on gloo, verl's vLLM server on
+vLLM's CPU backend, verl's GSM8K reward, the SPO advantage step and loss, and verl's actor -> vLLM
+weight sync, on the embedded ``cpu-tiny`` default (spo_verl/cpu_default.py).
+
+Every (trainer, algorithm) run trains 2 steps, validates and checkpoints at step 2, then a second
+run resumes from that checkpoint and trains step 3. The runs start verl and vLLM from scratch
+(about 2-3 minutes each on two cores, mostly process start-up), so they run a few at a time
+(``SPO_E2E_PARALLEL``, default 3) in one module fixture, and each test reads its run's results.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from spo_verl import cpu_default
+from spo_verl.run_summary import read_steps
+
+REPO = Path(__file__).resolve().parents[1]
+RUN_TIMEOUT_S = 900
+PARALLEL_RUNS = int(os.environ.get("SPO_E2E_PARALLEL", "3"))
+TRAIN_BATCH = 4  # prompts per step in the cpu-tiny setting
+TREE_LEAF_SLOTS = 9  # its tree is 3-3
+# fp32 actor and fp32 vLLM: after an update and a weight sync, rollout and actor probabilities of the
+# same tokens agree to float32 rounding (about 1e-6 measured); a stale or broken sync is off by >1e-2.
+SYNC_BOUND = 1e-4
+
+# (test id, run script, ALGORITHM or None for the script's own, extra Hydra overrides)
+CASES = [
+    ("v1-spo_tree", "run_spo_tree.sh", None, []),
+    ("v1-spo_chain", "run_spo_chain.sh", None, []),
+    ("v1-grpo", "run_grpo.sh", None, []),
+    ("v1-grpo_prob_mask", "run_grpo.sh", "grpo_prob_mask", []),
+    ("v1-ppo", "run_grpo.sh", "ppo", []),
+    ("legacy-spo_tree", "run_spo_tree.sh", None, ["trainer.use_v1=false"]),
+    ("legacy-spo_chain", "run_spo_chain.sh", None, ["trainer.use_v1=false"]),
+]
+
+
+@dataclass
+class Run:
+    returncode: int
+    log: Path
+    metrics: Path
+    seconds: float
+
+    def steps(self) -> dict[int, dict]:
+        return dict(read_steps(self.metrics)) if self.metrics.exists() else {}
+
+    def failure(self) -> str:
+        return f"exit {self.returncode}; last lines of {self.log}:\n" + "\n".join(self.log.read_text().splitlines()[-40:])
+
+
+@dataclass
+class Case:
+    first: Run
+    resumed: Run | None
+    checkpoints: Path
+    extra: dict = field(default_factory=dict)
+
+
+def _launch(script: str, env: dict, args: list[str], log: Path, metrics: Path) -> Run:
+    started = time.perf_counter()
+    with open(log, "w") as out:
+        process = subprocess.run(
+            ["bash", f"scripts/{script}", *args], cwd=REPO, env={**env, "VERL_FILE_LOGGER_PATH": str(metrics)},
+            stdout=out, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S,
+        )
+    return Run(process.returncode, log, metrics, time.perf_counter() - started)
+
+
+def _run_case(case_id: str, script: str, algorithm: str | None, overrides: list[str], cache: Path, work: Path) -> Case:
+    work.mkdir(parents=True)
+    env = {**os.environ, "SPO_CPU_CACHE": str(cache), "CHECKPOINT_DIR": str(work / "checkpoints"),
+           "TENSORBOARD_DIR": str(work / "tensorboard"), "EXPERIMENT_NAME": case_id}
+    env.pop("SETTING", None)  # no GPU here: the scripts must pick cpu-tiny themselves
+    if algorithm:
+        env["ALGORITHM"] = algorithm
+    first = _launch(script, {**env, "TOTAL_TRAINING_STEPS": "2", "SAVE_FREQ": "2", "TEST_FREQ": "2"}, overrides,
+                    work / "first.log", work / "first.jsonl")
+    resumed = None
+    if first.returncode == 0:
+        resumed = _launch(script, {**env, "TOTAL_TRAINING_STEPS": "3", "SAVE_FREQ": "-1", "TEST_FREQ": "-1"},
+                          [*overrides, "trainer.resume_mode=auto"], work / "resumed.log", work / "resumed.jsonl")
+    return Case(first, resumed, work / "checkpoints")
+
+
+def _run_readme_command(work: Path) -> Run:
+    """``bash scripts/run_spo_tree.sh`` with no settings at all, as the README shows it."""
+    work.mkdir(parents=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("SETTING", "ALGORITHM", "VERL_FILE_LOGGER_PATH")}
+    started = time.perf_counter()
+    log = work / "readme.log"
+    with open(log, "w") as out:
+        process = subprocess.run(["bash", "scripts/run_spo_tree.sh"], cwd=REPO, env=env, stdout=out,
+                                 stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S)
+    return Run(process.returncode, log, Path(), time.perf_counter() - started)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    work = tmp_path_factory.mktemp("e2e")
+    cache = work / "cpu-tiny"
+    cpu_default.build(cache)  # once, before the runs that share it
+    with ThreadPoolExecutor(max_workers=PARALLEL_RUNS) as pool:
+        readme = pool.submit(_run_readme_command, work / "readme")
+        futures = {
+            case_id: pool.submit(_run_case, case_id, script, algorithm, overrides, cache, work / case_id)
+            for case_id, script, algorithm, overrides in CASES
+        }
+        results = {case_id: future.result() for case_id, future in futures.items()}
+        results["readme"] = readme.result()
+    summary = {k: round(v.first.seconds if isinstance(v, Case) else v.seconds) for k, v in results.items()}
+    print(f"end-to-end run seconds: {json.dumps(summary)}")
+    return results
+
+
+def _finite(value) -> bool:
+    return value is not None and math.isfinite(float(value))
+
+
+def _actor_weights_changed(checkpoints: Path, base_model: Path) -> float:
+    """Largest absolute difference between the step-2 actor checkpoint and the base model."""
+    from safetensors.torch import load_file
+
+    saved = torch.load(checkpoints / "global_step_2" / "actor" / "model_world_size_1_rank_0.pt", weights_only=False)
+    base = load_file(str(base_model / "model.safetensors"))
+    return max(
+        float((value.full_tensor() if hasattr(value, "full_tensor") else value).float().sub(base[name].float()).abs().max())
+        for name, value in saved.items()
+    )
+
+
+@pytest.mark.parametrize("case_id", [case[0] for case in CASES])
+def test_trains_validates_checkpoints_and_resumes(runs, case_id):
+    case: Case = runs[case_id]
+    assert case.first.returncode == 0, case.first.failure()
+    steps = case.first.steps()
+    assert sorted(steps) == [1, 2], f"steps logged: {sorted(steps)}"
+    algorithm = case_id.split("-", 1)[1]
+
+    for step, data in steps.items():
+        # verl's actor update ran with a finite loss and gradient.
+        assert _finite(data.get("actor/pg_loss")), f"step {step}: actor/pg_loss={data.get('actor/pg_loss')}"
+        assert _finite(data.get("actor/grad_norm")), f"step {step}: actor/grad_norm={data.get('actor/grad_norm')}"
+        # The rollout and the actor computed the same tokens' probabilities with the same weights.
+        assert data["training/rollout_probs_diff_max"] < SYNC_BOUND, (step, data["training/rollout_probs_diff_max"])
+    # Rewards that differ between samples: some advantage is not zero, so some update is real.
+    assert any(data["critic/advantages/max"] - data["critic/advantages/min"] > 0 for data in steps.values())
+    assert any(data["actor/grad_norm"] > 0 for data in steps.values())
+    # Step 2's rollout came from the weights step 1 trained, synced into vLLM.
+    assert steps[2]["training/rollout_probs_diff_max"] < SYNC_BOUND
+
+    last = steps[2]
+    if algorithm == "spo_tree":
+        assert last["spo/tree/trees"] == TRAIN_BATCH
+        assert 1 <= last["spo/tree/leaves_per_tree"] <= TREE_LEAF_SLOTS
+        # 3 depth-1 nodes, each either a leaf (early EOS) or the parent of 3 leaves.
+        internal = last["spo/tree/nodes_per_tree"] - last["spo/tree/leaves_per_tree"]
+        assert last["spo/tree/nodes_per_tree"] >= 3 and 0 <= internal <= 3
+        assert 0 < last["spo/tree/generated_over_independent"] <= 1
+        assert any(0 < data["spo/trained_token_fraction"] <= 1 for data in steps.values())
+    if algorithm == "spo_chain":
+        assert last["spo/chain/boundaries_per_response"] > 0
+        assert last["spo/chain/mc_continuations"] > 0 and last["spo/chain/mc_tokens"] > 0
+        assert 0 <= last["spo/chain/boundary_value_min"] <= last["spo/chain/boundary_value_max"] <= 1
+    if algorithm in ("spo_tree", "spo_chain", "grpo_prob_mask"):
+        assert all(0 < data["spo/prob_mask/masked_fraction"] < 1 for data in steps.values())
+    else:
+        assert not any(key.startswith("spo/") for key in last), "baselines log no spo/ metrics"
+    if algorithm == "ppo":
+        assert _finite(last.get("critic/vf_loss"))
+
+    # Validation at step 2 with verl's GSM8K reward on the held-out problems.
+    assert "val-core/openai/gsm8k/acc/mean@1" in last
+    # The actor's weights moved away from the base model.
+    cache_model = Path(case.first.log).parents[1] / "cpu-tiny" / "model"
+    assert _actor_weights_changed(case.checkpoints, cache_model) > 0
+    # Checkpoint at step 2, and a second run resumed from it to train step 3 only.
+    assert (case.checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert case.resumed is not None and case.resumed.returncode == 0, case.resumed.failure()
+    assert sorted(case.resumed.steps()) == [3]
+
+
+def test_readme_run_script_trains_on_cpu(runs):
+    run: Run = runs["readme"]
+    assert run.returncode == 0, run.failure()
+    log = run.log.read_text()
+    assert "no GPU visible: training the embedded CPU default" in log
+    assert "checkpoints -> checkpoints/spo/cpu-tiny-spo_tree" in log
+    # The summary the script ends with: a header and one line per step (4 steps by default).
+    summary = [line for line in log.splitlines() if line.startswith("spo: ")]
+    header = next(i for i, line in enumerate(summary) if line.split()[1:3] == ["step", "score"])
+    assert [line.split()[1] for line in summary[header + 1 :]] == ["1", "2", "3", "4"]
