@@ -82,6 +82,12 @@ def test_rollout_n_follows_the_tree_shape():
         (["trainer.v1.trainer_mode=sync"], r"needs trainer\.v1\.trainer_mode=spo"),
         (["actor_rollout_ref.rollout.agent.default_agent_loop=nope"], r"default_agent_loop=nope is not a registered agent loop"),
         (["algorithm.spo.prob_mask.normalization=mean"], r"prob_mask\.normalization must be one of \['reference', 'verl'\]"),
+        # verl's legacy manager cuts the repeated batch into num_workers chunks: 2 prompts over 8 workers
+        # would cut each prompt's tree in four.
+        (["trainer.use_v1=false", "data.train_batch_size=2", "actor_rollout_ref.rollout.agent.num_workers=8"],
+         r"data\.train_batch_size \(2\) to be a multiple of actor_rollout_ref\.rollout\.agent\.num_workers \(8\)"),
+        (["spo_algorithm=spo_chain", "trainer.use_v1=false", "data.train_batch_size=6", "actor_rollout_ref.rollout.agent.num_workers=4"],
+         r"default_agent_loop=spo_chain on the legacy trainer needs data\.train_batch_size \(6\)"),
     ],
 )
 def test_invalid_runs_fail_at_configuration_time(overrides, message):
@@ -101,7 +107,7 @@ def config_lines(output):
 
 
 def test_run_spo_tree_cfg_job_shows_the_algorithm_and_starts_nothing():
-    result = run_script("run_spo_tree.sh", "--cfg", "job")
+    result = run_script("run_spo_tree.sh", "--cfg", "job", SETTING="math-r1-1.5b")
     assert result.returncode == 0, result.stderr[-2000:]
     out = result.stdout
     assert "adv_estimator: spo_tree" in out
@@ -109,13 +115,13 @@ def test_run_spo_tree_cfg_job_shows_the_algorithm_and_starts_nothing():
     assert "loss_mode: spo_prob_mask" in out
     assert "_target_: spo_verl.policy_loss.SPOPolicyLossConfig" in out
     assert "branching:\n      - 6\n      - 6\n      - 6" in out
-    assert re.search(r"logs -> console and tensorboard at \S+; checkpoints -> checkpoints/spo/math-r1-1.5b-spo_tree", out)
+    assert re.search(r"logs -> console, tensorboard at \S+ and \S+\.jsonl; checkpoints -> checkpoints/spo/math-r1-1.5b-spo_tree", out)
     assert "Started a local Ray instance" not in result.stderr
 
 
 def test_grpo_differs_from_spo_tree_only_in_the_algorithm_parts():
-    tree = config_lines(run_script("run_spo_tree.sh", "--cfg", "job", EXPERIMENT_NAME="same").stdout)
-    grpo = config_lines(run_script("run_grpo.sh", "--cfg", "job", EXPERIMENT_NAME="same").stdout)
+    tree = config_lines(run_script("run_spo_tree.sh", "--cfg", "job", EXPERIMENT_NAME="same", SETTING="math-r1-1.5b").stdout)
+    grpo = config_lines(run_script("run_grpo.sh", "--cfg", "job", EXPERIMENT_NAME="same", SETTING="math-r1-1.5b").stdout)
     assert len(tree) == len(grpo) > 500
     differing = [(a.strip(), b.strip()) for a, b in zip(tree, grpo) if a != b]
     assert differing == [
@@ -138,7 +144,8 @@ def test_an_invalid_setting_stops_the_entry_point_before_ray_starts():
 
 
 def test_run_spo_chain_cfg_job_shows_the_papers_gsm8k_setting():
-    result = run_script("run_spo_chain.sh", "algorithm.spo.chain.cutpoint_interval=2", "--cfg", "job")
+    result = run_script("run_spo_chain.sh", "algorithm.spo.chain.cutpoint_interval=2", "--cfg", "job",
+                        SETTING="gsm8k-rhomath-1.1b")
     assert result.returncode == 0, result.stderr[-2000:]
     out = result.stdout
     for line in ["adv_estimator: spo_chain", "default_agent_loop: spo_chain", "loss_mode: spo_prob_mask",
