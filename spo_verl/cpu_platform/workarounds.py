@@ -12,6 +12,7 @@ import functools
 import importlib.metadata
 import importlib.util
 import inspect
+import sys
 from pathlib import Path
 
 from spo_verl.cpu_platform.import_hooks import after_import
@@ -69,7 +70,7 @@ def patch_process_group_backend() -> None:
 
     distributed.initialize_global_process_group_ray = _mark(initialize_global_process_group_ray)
     # Modules that imported the function by name before this ran (verl's workers, normally after).
-    engine_workers = __import__("sys").modules.get("verl.workers.engine_workers")
+    engine_workers = sys.modules.get("verl.workers.engine_workers")
     if engine_workers is not None and engine_workers.initialize_global_process_group_ray is original:
         engine_workers.initialize_global_process_group_ray = initialize_global_process_group_ray
 
