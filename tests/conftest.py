@@ -1,15 +1,44 @@
-"""Shared fixtures: one tiny Qwen2 model and one real vLLM CPU engine for the whole test session
-(an engine takes ~20 s to start on two cores). Async tests that use the engine run in the session
-event loop: mark their module with ``pytestmark = pytest.mark.asyncio(loop_scope="session")``."""
+"""Shared fixtures: one tiny Qwen2 model, and verl's own vLLM rollout server on CPU for the whole test
+session (``verl_server.py``: Ray, one standalone ``vLLMReplica`` and verl's ``LLMServerClient``; about
+a minute to start on two cores).
+
+The server is lazy: it starts when the first test that asks for ``verl_server``, ``llm_client`` or
+``recording_client`` runs, and those tests run after all others (see
+:func:`pytest_collection_modifyitems`), so Ray runs in the pytest process only at the end, after the
+tests that start and stop Ray themselves. Async tests that use the server run in the session event
+loop: mark them with ``pytest.mark.asyncio(loop_scope="session")``."""
+
+import importlib.util
+import sys
+from pathlib import Path
 
 import pytest
 import pytest_asyncio
 
-from spo_verl.testing.tiny_vllm import CPUvLLMServer, build_tiny_qwen2, build_tiny_tokenizer
+from spo_verl.testing.tiny_vllm import build_tiny_qwen2, build_tiny_tokenizer
 
-ENGINE_MAX_MODEL_LEN = 1024
-ENGINE_PROMPT_LENGTH = 64
-ENGINE_RESPONSE_LENGTH = 48
+
+def _load_sibling(name):
+    # pytest runs with --import-mode=importlib: tests/ is not on sys.path.
+    module_name = f"spo_tests_{name}"
+    if module_name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(module_name, Path(__file__).with_name(f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[module_name]
+
+
+verl_server_module = _load_sibling("verl_server")
+
+SERVER_FIXTURE = "verl_server"
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Tests that use verl's server (and so the in-process Ray it starts) run last, in their order."""
+    others = [item for item in items if SERVER_FIXTURE not in getattr(item, "fixturenames", ())]
+    users = [item for item in items if SERVER_FIXTURE in getattr(item, "fixturenames", ())]
+    items[:] = others + users
 
 
 @pytest.fixture(scope="session")
@@ -21,16 +50,23 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def vllm_server(tiny_model):
-    model_dir, _ = tiny_model
-    server = await CPUvLLMServer.start(
-        model_dir,
-        seed=0,
-        max_model_len=ENGINE_MAX_MODEL_LEN,
-        prompt_length=ENGINE_PROMPT_LENGTH,
-        response_length=ENGINE_RESPONSE_LENGTH,
-    )
+async def verl_server(tiny_model):
+    """verl's vLLM server replica for the tiny model (:class:`verl_server.VerlServer`)."""
+    server = await verl_server_module.start_verl_server(tiny_model[0])
     try:
         yield server
     finally:
-        await server.shutdown()
+        server.shutdown()
+
+
+@pytest.fixture
+def llm_client(verl_server):
+    """verl's ``LLMServerClient`` for the session's server (what verl's agent loops call)."""
+    return verl_server.client
+
+
+@pytest.fixture
+def recording_client(verl_server):
+    """A fresh :class:`verl_server.RecordingClient` around a new verl ``LLMServerClient``: calls go
+    through to verl's server; ``.calls`` records this test's calls."""
+    return verl_server.recording_client()

@@ -1,4 +1,5 @@
-"""The spo_chain agent loop against a real vLLM engine on CPU, then through verl's advantage step."""
+"""The spo_chain agent loop against verl's own vLLM server on CPU (verl's LLMServerClient), then through
+verl's advantage step."""
 
 import math
 
@@ -15,8 +16,8 @@ from spo_verl.batch_context import provide_spo_rows
 from spo_verl.testing.verl_harness import compose_ppo_trainer, make_agent_loop, run_sessions
 from spo_verl.trainer.common import batch_metrics
 
-in_session_loop = pytest.mark.asyncio(loop_scope="session")  # the vLLM engine lives there
-RESPONSE_LENGTH = 48  # as the session engine (conftest.py): verl sizes its servers from rollout.response_length
+in_session_loop = pytest.mark.asyncio(loop_scope="session")  # the server's client lives there
+RESPONSE_LENGTH = 48  # as the session server (tests/verl_server.py): verl sizes its servers from rollout.response_length
 MC_SAMPLES = 3
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
 REWARD_SOURCE = '''
@@ -54,12 +55,12 @@ async def sample(config, server, tokenizer, uid, text="Say 7 then stop.", ground
 
 
 @in_session_loop
-async def test_boundaries_continuations_and_values(tiny_model, vllm_server, reward_file):
+async def test_boundaries_continuations_and_values(tiny_model, recording_client, reward_file):
     model_dir, tokenizer = tiny_model
     config = chain_config(model_dir, reward_file)
-    before = len(vllm_server.calls)
-    outputs = await sample(config, vllm_server, tokenizer, "chain1")
-    calls = vllm_server.calls[before:]
+    before = len(recording_client.calls)
+    outputs = await sample(config, recording_client, tokenizer, "chain1")
+    calls = recording_client.calls[before:]
     prompt = outputs[0].prompt_ids
     responses = [c for c in calls if c["prompt_ids"] == prompt and c["token_ids"] in [o.response_ids for o in outputs]]
     assert len(outputs) == 4
@@ -87,12 +88,12 @@ async def test_boundaries_continuations_and_values(tiny_model, vllm_server, rewa
 
 
 @in_session_loop
-async def test_no_cutpoint_gives_zero_advantages_and_still_counts(tiny_model, vllm_server, reward_file):
+async def test_no_cutpoint_gives_zero_advantages_and_still_counts(tiny_model, recording_client, reward_file):
     model_dir, tokenizer = tiny_model
     config = chain_config(model_dir, reward_file, "+algorithm.spo.chain.cutpoint_threshold=1e-12")
-    before = len(vllm_server.calls)
-    outputs = await sample(config, vllm_server, tokenizer, "chain2")
-    assert len(vllm_server.calls) - before == 4, "no boundary, no continuation"
+    before = len(recording_client.calls)
+    outputs = await sample(config, recording_client, tokenizer, "chain2")
+    assert len(recording_client.calls) - before == 4, "no boundary, no continuation"
     rows = [out.extra_fields["spo"] for out in outputs]
     assert all(row["segment_starts"] == [] and row["chain"]["no_cutpoint"] for row in rows)
     advantages, metrics = advantages_through_verl(config, outputs, tokenizer)
@@ -116,10 +117,10 @@ def advantages_through_verl(config, outputs, tokenizer):
 
 
 @in_session_loop
-async def test_end_to_end_advantages_match_the_reference(tiny_model, vllm_server, reward_file):
+async def test_end_to_end_advantages_match_the_reference(tiny_model, llm_client, reward_file):
     model_dir, tokenizer = tiny_model
     config = chain_config(model_dir, reward_file, "+algorithm.spo.chain.max_boundaries=2")
-    outputs = await sample(config, vllm_server, tokenizer, "chain3")
+    outputs = await sample(config, llm_client, tokenizer, "chain3")
     advantages, metrics = advantages_through_verl(config, outputs, tokenizer)
     for b, out in enumerate(outputs):
         meta = out.extra_fields["spo"]

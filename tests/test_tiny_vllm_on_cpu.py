@@ -1,6 +1,7 @@
-"""A real vLLM engine on CPU (spo_verl.testing.tiny_vllm) behind verl's server-manager interface.
+"""verl's own vLLM server on CPU (a standalone vLLMReplica, requested through verl's LLMServerClient):
+request handling, log-probs against a transformers forward pass, continuation from a prefix.
 
-The engine (tiny random Qwen2, built locally) is the session fixture of conftest.py.
+The server (tiny random Qwen2, built locally) is the session fixture of conftest.py (tests/verl_server.py).
 """
 
 from __future__ import annotations
@@ -14,12 +15,8 @@ import torch
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
-MAX_MODEL_LEN = 1024  # as the session engine in conftest.py
-
-
-@pytest.fixture
-def server(vllm_server):
-    return vllm_server
+MAX_MODEL_LEN = 1024  # as the session server (tests/verl_server.py)
+PROMPT_LENGTH, RESPONSE_LENGTH = 64, 48  # ditto: verl's server derives the default max_tokens from them
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +43,8 @@ def _hf_logprobs(hf_model, prompt_ids, token_ids, temperature: float) -> list[fl
     return lp.gather(-1, torch.tensor(token_ids)[:, None])[:, 0].tolist()
 
 
-async def test_max_tokens_and_logprobs(server, tiny_model):
+async def test_max_tokens_and_logprobs(llm_client, tiny_model):
+    server = llm_client
     _, tok = tiny_model
     eos = tok.eos_token_id
     prompt = _prompt(tok, "What is 12+7?")
@@ -79,23 +77,25 @@ async def test_max_tokens_and_logprobs(server, tiny_model):
     assert out.log_probs is None and 1 <= len(out.token_ids) <= 3
 
     # max_new_tokens alias, default (min(response_length, prompt_length + response_length - len(prompt)))
-    # and clamping to [1, max_model_len - len(prompt)].
-    await server.generate("req-y", prompt_ids=prompt, sampling_params={"max_new_tokens": 4, "ignore_eos": True})
-    assert server.calls[-1]["max_tokens"] == 4 and len(server.calls[-1]["token_ids"]) == 4
-    await server.generate("req-z", prompt_ids=prompt, sampling_params={"temperature": 1.0})
-    assert server.calls[-1]["max_tokens"] == min(48, 64 + 48 - len(prompt))
+    # and clamping to [1, max_model_len - len(prompt)]. The server's effective max_tokens is the number
+    # of tokens generated with ignore_eos (or when one token is the most it may generate).
+    out = await server.generate("req-y", prompt_ids=prompt, sampling_params={"max_new_tokens": 4, "ignore_eos": True})
+    assert len(out.token_ids) == 4
+    out = await server.generate("req-z", prompt_ids=prompt, sampling_params={"temperature": 1.0, "ignore_eos": True})
+    assert len(out.token_ids) == min(RESPONSE_LENGTH, PROMPT_LENGTH + RESPONSE_LENGTH - len(prompt))
     long_prompt = (prompt * (MAX_MODEL_LEN // len(prompt) + 1))[: MAX_MODEL_LEN - 2]
     out = await server.generate(
         "req-long", prompt_ids=long_prompt, sampling_params={"max_tokens": 50, "ignore_eos": True}
     )
-    assert server.calls[-1]["max_tokens"] == 2 and len(out.token_ids) == 2
-    await server.generate("req-zero", prompt_ids=prompt, sampling_params={"max_tokens": 0})
-    assert server.calls[-1]["max_tokens"] == 1
-    with pytest.raises(ValueError):
+    assert len(out.token_ids) == 2
+    out = await server.generate("req-zero", prompt_ids=prompt, sampling_params={"max_tokens": 0, "ignore_eos": True})
+    assert len(out.token_ids) == 1
+    with pytest.raises(ValueError, match="leaves no room to generate"):
         await server.generate("req-full", prompt_ids=prompt * MAX_MODEL_LEN, sampling_params={})
 
 
-async def test_logprobs_are_temperature_scaled(server, tiny_model, hf_model):
+async def test_logprobs_are_temperature_scaled(llm_client, tiny_model, hf_model):
+    server = llm_client
     _, tok = tiny_model
     prompt = _prompt(tok, "Compute (3*4)-5 and explain.")
     temperature = 0.6
@@ -120,7 +120,8 @@ async def test_logprobs_are_temperature_scaled(server, tiny_model, hf_model):
     assert max_raw_gap > 0.05
 
 
-async def test_continue_from_prefix(server, tiny_model, hf_model):
+async def test_continue_from_prefix(recording_client, tiny_model, hf_model):
+    server = recording_client
     _, tok = tiny_model
     prompt = _prompt(tok, "Continue: 1 2 3")
     # Greedy: continuing from prompt + first k generated tokens reproduces the rest.
@@ -135,7 +136,10 @@ async def test_continue_from_prefix(server, tiny_model, hf_model):
         sampling_params={"temperature": 0.0, "max_tokens": 20 - k, "ignore_eos": True},
     )
     assert cont.token_ids == full.token_ids[k:]
-    assert server.calls[-1]["vllm_request_id"] != server.calls[-2]["vllm_request_id"]
+    # verl's client sends each call to vLLM under a fresh id; the caller's id only routes.
+    assert server.calls[-1]["request_id"] == server.calls[-2]["request_id"] == "g"
+    vllm_request_ids = [c["vllm_request_id"] for c in server.calls[-2:]]
+    assert None not in vllm_request_ids and vllm_request_ids[0] != vllm_request_ids[1]
 
     # Sampled continuation of a sampled prefix: valid tokens, log-probs conditioned on the prefix.
     first = await server.generate(
@@ -152,7 +156,8 @@ async def test_continue_from_prefix(server, tiny_model, hf_model):
     assert max(abs(a - b) for a, b in zip(cont.log_probs, ref)) < 1e-3
 
 
-async def test_concurrent_calls_and_recording(server, tiny_model):
+async def test_concurrent_calls_and_recording(recording_client, verl_server, tiny_model):
+    server = recording_client
     _, tok = tiny_model
     prompts = [_prompt(tok, f"Task {i}: add {i} and {2 * i}.") for i in range(10)]
     n_before = len(server.calls)
@@ -170,11 +175,13 @@ async def test_concurrent_calls_and_recording(server, tiny_model):
     assert len(outs) == 10 and all(1 <= len(o.token_ids) <= 16 + i for i, o in enumerate(outs))
     new_calls = server.calls[n_before:]
     assert len(new_calls) == 10
-    assert len({c["vllm_request_id"] for c in new_calls}) == 10
+    assert len({c["vllm_request_id"] for c in new_calls} - {None}) == 10
     by_prompt = {tuple(c["prompt_ids"]): c for c in new_calls}
+    global_steps = await verl_server.global_steps()  # the server's weight version (None: never synced)
     for i, (p, o) in enumerate(zip(prompts, outs)):
         c = by_prompt[tuple(p)]
         assert c["request_id"] == f"session-{i % 3}"
         assert c["sampling_params"]["max_tokens"] == 16 + i
-        assert c["token_ids"] == o.token_ids
-        assert o.extra_fields["global_steps"] == server.global_steps
+        assert c["token_ids"] == o.token_ids and c["log_probs"] == o.log_probs and c["stop_reason"] == o.stop_reason
+        assert o.extra_fields["global_steps"] == global_steps
+        assert o.extra_fields["min_global_steps"] == o.extra_fields["max_global_steps"] == global_steps

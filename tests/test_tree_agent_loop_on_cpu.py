@@ -1,4 +1,5 @@
-"""The spo_tree agent loop against a real vLLM engine on CPU, then through verl's advantage step."""
+"""The spo_tree agent loop against verl's own vLLM server on CPU (verl's LLMServerClient), then through
+verl's advantage step."""
 
 import math
 
@@ -14,7 +15,7 @@ from spo_verl.algorithms import tree_advantages, tree_values
 from spo_verl.batch_context import provide_spo_rows
 from spo_verl.testing.verl_harness import compose_ppo_trainer, make_agent_loop, run_sessions
 
-in_session_loop = pytest.mark.asyncio(loop_scope="session")  # the vLLM engine lives there
+in_session_loop = pytest.mark.asyncio(loop_scope="session")  # the server's client lives there
 
 BRANCHING = [3, 2]
 SEGMENT_TOKENS = 20
@@ -49,18 +50,21 @@ def config(tiny_model):
 
 
 @in_session_loop
-async def test_tree_shape_budgets_prefixes_and_log_probs(config, vllm_server, tiny_model):
+async def test_tree_shape_budgets_prefixes_and_log_probs(config, recording_client, tiny_model):
     tokenizer = tiny_model[1]
     prompts = {f"tree{i}": f"Add {i} and {7 * i}, then explain." for i in range(4)}
-    calls_before = len(vllm_server.calls)
-    results = {uid: await run_prompt(config, vllm_server, tokenizer, uid, text) for uid, text in prompts.items()}
-    calls = vllm_server.calls[calls_before:]
-    early_stops = 0
+    calls_before = len(recording_client.calls)
+    results = {uid: await run_prompt(config, recording_client, tokenizer, uid, text) for uid, text in prompts.items()}
+    calls = recording_client.calls[calls_before:]
+    early_stops, tree_ids = 0, set()
     for uid, outputs in results.items():
         leaves = [out for out in outputs if out != []]
         meta = [out.extra_fields["spo"] for out in leaves]
         stats = meta[0]["tree"]
-        assert all(m["tree"] == stats for m in meta) and all(m["tree_id"] == uid for m in meta)
+        tree_id = meta[0]["tree_id"]  # unique per sampled tree: the request id of all its calls
+        assert all(m["tree"] == stats for m in meta) and all(m["tree_id"] == tree_id for m in meta)
+        assert tree_id not in tree_ids, "each prompt has its own tree"
+        tree_ids.add(tree_id)
         assert stats["leaves"] == len(leaves)
         # Shape: 3 root children; a child that did not stop has exactly 2 children.
         first_segments = {m["path"][0] for m in meta}
@@ -105,7 +109,7 @@ async def test_tree_shape_budgets_prefixes_and_log_probs(config, vllm_server, ti
         for group in {tuple(c["prompt_ids"]) for c in depth2}:
             assert sum(tuple(c["prompt_ids"]) == group for c in depth2) == BRANCHING[1]
         tree_request_ids = {c["request_id"] for c in calls if c["prompt_ids"][: len(leaves[0].prompt_ids)] == leaves[0].prompt_ids}
-        assert len(tree_request_ids) == 1, "all calls of one tree use one request id (one server, warm prefix cache)"
+        assert tree_request_ids == {tree_id}, "all calls of one tree use one request id (one server, warm prefix cache)"
     # With ~4% EOS per token and 20-token first segments, some of the 12 first segments stop early.
     assert early_stops >= 1
     assert SPOTreeAgentLoop._jobs == {}, "finished trees are released"
@@ -117,11 +121,15 @@ def reward_of(tokenizer, response_ids):
 
 
 @in_session_loop
-async def test_leaves_through_verls_advantage_step(config, vllm_server, tiny_model):
+async def test_leaves_through_verls_advantage_step(config, llm_client, tiny_model):
     tokenizer = tiny_model[1]
-    outputs = await run_prompt(config, vllm_server, tokenizer, "adv1", "Say a number with 7 in it.")
-    outputs += await run_prompt(config, vllm_server, tokenizer, "adv2", "Count to 9.")
-    leaves = [out for out in outputs if out != []]
+    prompts = {"adv1": "Say a number with 7 in it.", "adv2": "Count to 9."}
+    leaves, uids = [], []
+    for uid, text in prompts.items():
+        for out in await run_prompt(config, llm_client, tokenizer, uid, text):
+            if out != []:
+                leaves.append(out)
+                uids.append(uid)
     width = RESPONSE_LENGTH
     response_mask = torch.zeros(len(leaves), width)
     token_rewards = torch.zeros(len(leaves), width)
@@ -131,13 +139,14 @@ async def test_leaves_through_verls_advantage_step(config, vllm_server, tiny_mod
     rows = [out.extra_fields["spo"] for out in leaves]
     data = DataProto.from_dict(
         tensors={"token_level_rewards": token_rewards, "response_mask": response_mask},
-        non_tensors={"uid": np.array([m["tree_id"] for m in rows], dtype=object)},
+        non_tensors={"uid": np.array(uids, dtype=object)},
     )
     with provide_spo_rows(rows) as context:
         advantages = compute_advantage(data, "spo_tree", config=config.algorithm).batch["advantages"]
     # Rebuild each tree by hand with the plain reference functions and compare per segment.
-    for tree_id in ("adv1", "adv2"):
-        members = [i for i, m in enumerate(rows) if m["tree_id"] == tree_id]
+    for uid in prompts:
+        members = [i for i, u in enumerate(uids) if u == uid]
+        assert members and len({rows[i]["tree_id"] for i in members}) == 1, "one tree per prompt"
         ids = {0: -1}
         for i in members:
             parent = 0
@@ -165,11 +174,11 @@ async def test_leaves_through_verls_advantage_step(config, vllm_server, tiny_mod
 
 
 @in_session_loop
-async def test_legacy_trainer_gets_one_output_per_session(tiny_model, vllm_server):
+async def test_legacy_trainer_gets_one_output_per_session(tiny_model, llm_client):
     config = verl_config(tiny_model[0], "trainer.use_v1=false")
     tokenizer = tiny_model[1]
     for attempt in range(6):
-        outputs = await run_prompt(config, vllm_server, tokenizer, f"legacy{attempt}", "Tell a story.", session_ids=False)
+        outputs = await run_prompt(config, llm_client, tokenizer, f"legacy{attempt}", "Tell a story.", session_ids=False)
         assert all(out != [] for out in outputs) and len(outputs) == math.prod(BRANCHING)
         copies = [out for out in outputs if not out.extra_fields["spo"]["trains"]]
         assert all(sum(out.response_mask) == 0 for out in copies)

@@ -12,13 +12,16 @@ model is a randomly initialised ``Qwen2ForCausalLM`` saved with ``save_pretraine
   ``generate(request_id, *, prompt_ids, sampling_params, ...) -> TokenOutput`` interface that verl's
   agent loops call on their ``server_manager`` (``verl.workers.rollout.llm_server.LLMServerClient``),
   with the request handling of ``vLLMHttpServer.generate``
-  (``verl/workers/rollout/vllm_rollout/vllm_async_server.py``).
+  (``verl/workers/rollout/vllm_rollout/vllm_async_server.py``). A lightweight stand-in (no Ray) for
+  the CPU demo (``spo_verl/cpu_demo.py``) and the benchmark (``spo_verl/benchmark.py``). The tests
+  do not use it: they run verl's own vLLM server replica and client on the ``spo_cpu`` platform
+  (``tests/verl_server.py``).
 
 Log-probs: the engine is created with ``logprobs_mode="processed_logprobs"`` (verl's default,
 ``RolloutConfig.logprobs_mode``), so the log-probs vLLM returns are those of the distribution the
 token was sampled from, i.e. ``log_softmax(logits / temperature)`` (after top-k/top-p, which are
-off unless requested). ``tests/test_tiny_vllm_on_cpu.py`` checks this against a teacher-forced
-transformers forward pass.
+off unless requested). ``tests/test_tiny_vllm_on_cpu.py`` checks this, on verl's server with the
+same engine settings, against a teacher-forced transformers forward pass.
 """
 
 from __future__ import annotations
