@@ -108,9 +108,7 @@ case "$SETTING" in
     export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
     export VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}" VLLM_CPU_OMP_THREADS_BIND=nobind
     export VLLM_WORKER_MULTIPROC_METHOD=spawn TORCH_COMPILE_DISABLE=1
-    # Progress lines as they happen through the console filter below (Python buffers a pipe), and
-    # room for Ray's agent to start on a busy two-core machine (its default 30 s can run out).
-    export PYTHONUNBUFFERED=1 RAY_agent_register_timeout_ms="${RAY_agent_register_timeout_ms:-180000}"
+    export PYTHONUNBUFFERED=1  # progress lines as they happen through the console filter below
     fp32='{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}'
     setting_args=(
       data.train_batch_size=4
