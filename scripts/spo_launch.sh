@@ -39,12 +39,15 @@ mkdir -p "$(dirname "$VERL_FILE_LOGGER_PATH")"
 # Known-harmless warnings every verl process prints at import (engines this install does not use).
 export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore:torchtitan engine is not available,ignore:veomni engine is not available,ignore:automodel engine is not available,ignore:mindspeed engine is not available,ignore:megatron engine is not available}"
 
-# The paper's optimiser and batching on a cluster (SPO.md section 5).
+# The paper's optimiser, reward rule and batching on a cluster (SPO.md section 5, docs/FIDELITY.md).
 cluster_args=(
   actor_rollout_ref.actor.optim.lr=1e-6
   actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.03
-  actor_rollout_ref.actor.use_dynamic_bsz=true
-  actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384
+  actor_rollout_ref.actor.optim.weight_decay=0.0
+  actor_rollout_ref.actor.optim.lr_scheduler_type=cosine   # decay to 0 after warm-up (verl has no linear decay)
+  actor_rollout_ref.actor.optim.min_lr_ratio=0.0
+  reward.custom_reward_function.path=pkg://spo_verl.rewards   # the reference's rule: -2 for two '####'
+  reward.custom_reward_function.name=compute_score
   actor_rollout_ref.rollout.name=vllm
   actor_rollout_ref.rollout.tensor_model_parallel_size=1
   actor_rollout_ref.rollout.gpu_memory_utilization=0.6
@@ -58,11 +61,16 @@ case "$SETTING" in
     MODEL_PATH="${MODEL_PATH:-deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B}"
     TRAIN_FILES="${TRAIN_FILES:-$DATA_DIR/math/train.parquet}"
     VAL_FILES="${VAL_FILES:-[$DATA_DIR/math500/test.parquet,$DATA_DIR/aime24/test.parquet]}"
+    # 2K context less a ~150-token prompt: 700 tokens for the tree's last depth, as the reference; 3950 for 4K.
+    max_response_length="${MAX_RESPONSE_LENGTH:-1900}"
     setting_args=(
       "${cluster_args[@]}"
       data.train_batch_size=32                     # prompts per iteration
       data.max_prompt_length=512
-      data.max_response_length="${MAX_RESPONSE_LENGTH:-1536}"  # 2K context; 3584 for the 4K stage
+      data.max_response_length="$max_response_length"
+      # The reference loss whitens per micro-batch: at least two rows (the reference: two edges).
+      actor_rollout_ref.actor.use_dynamic_bsz=true
+      actor_rollout_ref.actor.ppo_max_token_len_per_gpu=$((2 * (512 + max_response_length)))
       actor_rollout_ref.rollout.temperature=0.6
       actor_rollout_ref.rollout.top_p=1.0
       actor_rollout_ref.rollout.val_kwargs.temperature=0.6
@@ -79,8 +87,17 @@ case "$SETTING" in
     MODEL_PATH="${MODEL_PATH:-realtreetune/rho-1b-sft-GSM8K}"
     TRAIN_FILES="${TRAIN_FILES:-$DATA_DIR/gsm8k/train.parquet}"
     VAL_FILES="${VAL_FILES:-[$DATA_DIR/gsm8k/test.parquet]}"
+    if [[ "$ALGORITHM" == spo_tree ]]; then
+      # A tree returns a varying number of leaf rows: micro-batches by tokens.
+      micro_batches=(actor_rollout_ref.actor.use_dynamic_bsz=true actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384)
+    else
+      # The reference loss whitens over micro-batches of 8 sequences (64 / GPUs must be a multiple of 8).
+      micro_batches=(actor_rollout_ref.actor.use_dynamic_bsz=false actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8
+                     critic.ppo_micro_batch_size_per_gpu=8)
+    fi
     setting_args=(
       "${cluster_args[@]}"
+      "${micro_batches[@]}"
       data.train_batch_size=64
       data.max_prompt_length=1023
       data.max_response_length=1024
@@ -91,6 +108,7 @@ case "$SETTING" in
       actor_rollout_ref.rollout.val_kwargs.do_sample=true
       algorithm.spo.chain.cutpoint_interval=5
       algorithm.spo.chain.mc_samples=9
+      algorithm.spo.tree.segment_tokens=[30,30]     # SPO-tree on GSM8K: M = 30
       actor_rollout_ref.actor.ppo_mini_batch_size=8  # 64 sequences of 8 samples: 8 optimizer steps per epoch
       actor_rollout_ref.actor.ppo_epochs=2
     )

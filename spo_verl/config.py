@@ -16,6 +16,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 NAMESPACE = "algorithm.spo"
 LOSS_NORMALIZATIONS = ("reference", "verl")
 CHAIN_PARTITIONS = ("cutpoint", "fixed_count", "delimiter")
+TRUNCATED_RESPONSE_SCORES = ("zero", "reward_function")
 
 
 class SPOConfigError(ValueError):
@@ -82,9 +83,17 @@ class TreeSettings:
 
 @dataclass(frozen=True)
 class SPOSettings:
+    """``truncated_response_score``: what a response cut by the length limit (no EOS at the end of its
+    token budget) scores, for the trajectory reward R of SPO-chain and SPO-tree rows and for the Monte
+    Carlo continuations that estimate SPO-chain's boundary values V, so V and R stay on one scale.
+    ``zero``: 0, as the SPO reference scores an unfinished response. ``reward_function``: what the
+    row's reward function gives the truncated text (verl's behaviour).
+    """
+
     prob_mask: ProbMaskSettings = field(default_factory=ProbMaskSettings)
     chain: ChainSettings = field(default_factory=ChainSettings)
     tree: TreeSettings = field(default_factory=TreeSettings)
+    truncated_response_score: str = "zero"
 
 
 def _fail(key: str, allowed: str, value: Any) -> SPOConfigError:
@@ -141,6 +150,7 @@ def _int_or_int_list(key: str, value: Any) -> tuple[int, ...]:
 
 
 _CHECKS = {
+    "truncated_response_score": _choice(TRUNCATED_RESPONSE_SCORES),
     "prob_mask.threshold": _probability,
     "prob_mask.normalization": _choice(LOSS_NORMALIZATIONS),
     "chain.partition": _choice(CHAIN_PARTITIONS),

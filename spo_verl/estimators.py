@@ -17,7 +17,7 @@ from verl.trainer.ppo.core_algos import register_adv_est
 from spo_verl.algorithms.batched import chain_token_advantages_batched
 from spo_verl.algorithms.tree_rows import tree_token_advantages
 from spo_verl.batch_context import SPO_FIELD, SPOBatchContext, current_spo_context
-from spo_verl.config import parse_spo_settings
+from spo_verl.config import SPOSettings, parse_spo_settings
 
 PADDING_UID_PREFIX = "pad"  # verl's upsample_batch_to_divisible_size names its rows "pad<hex>"
 
@@ -56,6 +56,23 @@ def _rows_for(estimator: str, batch_size: int, index: Any, spo_rows: Sequence | 
     return rows, context
 
 
+def _settings(config: Any) -> SPOSettings:
+    return parse_spo_settings(config.get("spo") if config is not None else None)
+
+
+def _trajectory_rewards(token_level_rewards: torch.Tensor, rows: Sequence[Mapping | None],
+                        settings: SPOSettings) -> torch.Tensor:
+    """R of each row: its summed token-level reward, or 0 for a response cut by the length limit under
+    ``algorithm.spo.truncated_response_score=zero`` (the ``truncated`` flag SPO's agent loops set; a
+    row without it counts as finished), the score the Monte Carlo continuations give such a response."""
+    rewards = token_level_rewards.sum(dim=-1)
+    if settings.truncated_response_score == "zero":
+        truncated = torch.tensor([bool(row is not None and row.get("truncated", False)) for row in rows],
+                                 dtype=torch.bool, device=rewards.device)
+        rewards = torch.where(truncated, torch.zeros_like(rewards), rewards)
+    return rewards
+
+
 def _field(row: Mapping, key: str, estimator: str) -> Any:
     if key not in row:
         raise SPOMetadataMissingError(f"{estimator}: a row's SPO metadata has no '{key}' (got keys {sorted(row)})")
@@ -74,10 +91,12 @@ def compute_spo_chain_advantage(
     """SPO-chain (SPO.md 3a): ``A_j = V_{j+1} - V_j`` broadcast to the tokens of segment j.
 
     Row metadata: ``segment_starts`` (token offsets) and ``boundary_values`` (MC value of the prefix
-    before each start). The reward R is the row's summed token-level reward.
+    before each start). The reward R is the row's summed token-level reward (0 for a truncated response
+    under ``algorithm.spo.truncated_response_score=zero``).
     """
     batch_size, length = response_mask.shape
     rows, _ = _rows_for("spo_chain", batch_size, index, spo_rows)
+    settings = _settings(config)
     width = max((len(_field(row, "segment_starts", "spo_chain")) for row in rows if row is not None), default=0)
     starts = torch.zeros(batch_size, width, dtype=torch.long)
     values = torch.zeros(batch_size, width, dtype=torch.float32)
@@ -97,7 +116,7 @@ def compute_spo_chain_advantage(
         counts[b] = len(row_starts)
         starts[b, : len(row_starts)] = torch.tensor(row_starts, dtype=torch.long)
         values[b, : len(row_values)] = torch.tensor(row_values, dtype=torch.float32)
-    rewards = token_level_rewards.sum(dim=-1)
+    rewards = _trajectory_rewards(token_level_rewards, rows, settings)
     device = token_level_rewards.device
     advantages = chain_token_advantages_batched(
         starts.to(device), values.to(device), counts.to(device), rewards.float(), length
@@ -151,13 +170,14 @@ def compute_spo_tree_advantage(
     """SPO-tree (SPO.md 3b): leaf rewards -> node values (mean of children) -> ``V(n) - V(parent)``.
 
     Row metadata (one row per leaf): ``path`` (node ids from the root's child to the leaf) and
-    ``segment_ends`` (response offset where each path node's segment ends); the tree is the row's
+    ``segment_ends`` (response offset where each path node's segment ends); a leaf's reward is the row's
+    summed token-level reward (0 for a truncated leaf under ``truncated_response_score=zero``); the tree is the row's
     ``tree_id`` if given, else its uid. Each segment is trained by one row only; the mask of trained
     tokens is left on the batch context for the trainer to apply to the loss.
     """
     batch_size, _ = response_mask.shape
     rows, context = _rows_for("spo_tree", batch_size, index, spo_rows)
-    settings = parse_spo_settings(config.get("spo") if config is not None else None).tree
+    settings = _settings(config)
     tree_ids, paths, ends = [], [], []
     for b, row in enumerate(rows):
         if row is None:
@@ -173,11 +193,11 @@ def compute_spo_tree_advantage(
         tree_ids,
         paths,
         ends,
-        rewards=token_level_rewards.sum(dim=-1),
+        rewards=_trajectory_rewards(token_level_rewards, rows, settings),
         response_mask=response_mask,
-        std_normalize=settings.std_normalize,
-        drop_zero_advantage=settings.drop_zero_advantage,
-        max_trained_segments_per_tree=settings.max_trained_segments_per_prompt,
+        std_normalize=settings.tree.std_normalize,
+        drop_zero_advantage=settings.tree.drop_zero_advantage,
+        max_trained_segments_per_tree=settings.tree.max_trained_segments_per_prompt,
     )
     if context is not None:
         context.trained_mask = result.trained_mask

@@ -22,6 +22,7 @@ from spo_verl.algorithms.masked_loss import (
     clipped_surrogate,
     masked_mean,
     probability_mask,
+    ratio_too_high,
     reference_kl_term,
     whiten_over_mask,
 )
@@ -74,7 +75,8 @@ def compute_policy_loss_spo_prob_mask(
     """PPO-clip on the tokens with ``p_old < algorithm.spo.prob_mask.threshold``.
 
     ``normalization: reference`` follows the SPO reference per micro-batch (whitened advantages, mean
-    over masked-in tokens); ``verl`` is verl's ``vanilla`` loss with the advantage of masked-out tokens set to 0.
+    over masked-in tokens, loss 0 when the mean ratio over them exceeds 10); ``verl`` is verl's
+    ``vanilla`` loss with the advantage of masked-out tokens set to 0.
     """
     settings = prob_mask_settings(config)
     mask = probability_mask(old_log_prob, response_mask, settings.threshold)
@@ -98,10 +100,14 @@ def compute_policy_loss_spo_prob_mask(
     if rollout_is_weights is not None:
         loss_matrix = loss_matrix * rollout_is_weights
     loss = masked_mean(loss_matrix, mask) * _micro_batch_share(response_mask, config.global_batch_info)
+    skipped = ratio_too_high(log_prob, old_log_prob, mask)
+    if skipped:
+        loss = loss * 0.0
     metrics.update(
         {
             "actor/pg_clipfrac": masked_mean(clipped.float(), mask).item(),
             "actor/ppo_kl": masked_mean(old_log_prob - log_prob, mask).item(),
+            "spo/prob_mask/high_ratio_skipped": float(skipped),
         }
     )
     return loss, metrics
@@ -133,6 +139,8 @@ def spo_ppo_loss(config: Any, model_output: dict, data: Any, dp_group=None):
     mask = probability_mask(padded["old_log_probs"], response_mask, settings.threshold)
     kl = reference_kl_term(log_prob, padded["ref_log_prob"], mask)
     loss = loss + config.kl_loss_coef * kl * _micro_batch_share(response_mask, config.global_batch_info)
+    if ratio_too_high(log_prob, padded["old_log_probs"], mask):
+        loss = loss * 0.0  # the reference drops the KL term with the policy term
     metrics["kl_loss"] = kl.detach().item()
     metrics["kl_coef"] = config.kl_loss_coef
     return loss, metrics

@@ -65,10 +65,14 @@ async def test_boundaries_continuations_and_values(tiny_model, recording_client,
     responses = [c for c in calls if c["prompt_ids"] == prompt and c["token_ids"] in [o.response_ids for o in outputs]]
     assert len(outputs) == 4
     distinct_prefixes = set()
+    eos = tokenizer.eos_token_id
     for out in outputs:
         meta = out.extra_fields["spo"]
-        probs = [math.exp(lp) for lp in out.response_logprobs]
+        # top_p 1: the rollout's log-probs are softmax(logits / T); a final EOS is no cutpoint.
+        end = len(out.response_ids) - 1 if out.response_ids[-1] == eos else len(out.response_ids)
+        probs = [math.exp(lp) for lp in out.response_logprobs[:end]]
         assert meta["segment_starts"] == cutpoint_segment_starts(probs, 0.9, 4)
+        assert meta["chain"]["cutpoint_requests"] == 0
         assert len(meta["boundary_values"]) == len(meta["segment_starts"])
         assert all(0.0 <= v <= 1.0 for v in meta["boundary_values"])
         assert all(v * MC_SAMPLES == pytest.approx(round(v * MC_SAMPLES)) for v in meta["boundary_values"])
@@ -125,7 +129,8 @@ async def test_end_to_end_advantages_match_the_reference(tiny_model, llm_client,
     for b, out in enumerate(outputs):
         meta = out.extra_fields["spo"]
         assert len(meta["segment_starts"]) <= 2
-        reward = float("7" in tokenizer.decode(out.response_ids, skip_special_tokens=True))
+        # A response cut by the length limit scores 0 (algorithm.spo.truncated_response_score=zero).
+        reward = 0.0 if meta["truncated"] else float("7" in tokenizer.decode(out.response_ids, skip_special_tokens=True))
         expected = chain_token_advantages(len(out.response_ids), meta["segment_starts"], meta["boundary_values"], reward)
         assert advantages[b, : len(out.response_ids)].tolist() == pytest.approx(expected, abs=1e-6)
     assert metrics["spo/chain/boundaries_per_response"] <= 2

@@ -180,9 +180,11 @@ def test_chain_worked_example_through_transfer_queue(transfer_queue):
     """SPO.md 6's chain example on the default trainer's data path: p, cutpoints int2, V, R = 1."""
     probs = [0.99, 0.72, 1.0, 0.85, 1.0, 0.56, 0.92, 0.23, 0.98, 0.11, 1.0]
     chain = {"segment_starts": [1, 5, 9], "boundary_values": [0.5, 0.25, 0.75],
-             "chain": {"boundaries": 3, "mc_continuations": 27, "mc_tokens": 100, "no_cutpoint": False, "capped": False}}
+             "chain": {"boundaries": 3, "mc_continuations": 27, "mc_tokens": 100, "mc_truncated": 9, "cutpoint_requests": 0,
+                       "no_cutpoint": False, "capped": False}}
     flat = {"segment_starts": [], "boundary_values": [],
-            "chain": {"boundaries": 0, "mc_continuations": 0, "mc_tokens": 0, "no_cutpoint": True, "capped": False}}
+            "chain": {"boundaries": 0, "mc_continuations": 0, "mc_tokens": 0, "mc_truncated": 0, "cutpoint_requests": 0,
+                      "no_cutpoint": True, "capped": False}}
     outputs = []
     for spo, reward in ((chain, 1.0), (flat, 0.0)):
         outputs.append(AgentLoopOutput(
@@ -202,3 +204,4 @@ def test_chain_worked_example_through_transfer_queue(transfer_queue):
     assert metrics["spo/chain/boundaries_per_response"] == 1.5
     assert metrics["spo/chain/mc_continuations"] == 27 and metrics["spo/chain/no_cutpoint_fraction"] == 0.5
     assert metrics["spo/chain/boundary_value_mean"] == pytest.approx(0.5)
+    assert metrics["spo/chain/mc_truncated_fraction"] == 9 / 27

@@ -155,7 +155,9 @@ async def test_leaves_through_verls_advantage_step(config, llm_client, tiny_mode
                 parent = node
         order = sorted(ids)
         parents = [order.index(ids[n]) if ids[n] >= 0 else -1 for n in order]
-        leaf_rewards = {order.index(rows[i]["path"][-1]): float(token_rewards[i].sum()) for i in members}
+        # A leaf cut by the length limit scores 0 (algorithm.spo.truncated_response_score=zero).
+        leaf_rewards = {order.index(rows[i]["path"][-1]): 0.0 if rows[i]["truncated"] else float(token_rewards[i].sum())
+                        for i in members}
         values = tree_values(parents, leaf_rewards)
         expected = dict(zip(order, tree_advantages(parents, values)))
         trained_once = set()

@@ -64,7 +64,7 @@ def test_an_aborted_monte_carlo_continuation_is_an_error():
         return 1.0
 
     with pytest.raises(AbortedGeneration, match="Monte Carlo continuation"):
-        asyncio.run(monte_carlo_value(scripted_generate([aborted, aborted]), "r", [1], [2], {}, 2, 8, score))
+        asyncio.run(monte_carlo_value(scripted_generate([aborted, aborted]), "r", [1], [2], {}, 2, 8, score, {3}, False))
 
 
 def test_leaves_of_two_trees_under_one_uid_are_refused():

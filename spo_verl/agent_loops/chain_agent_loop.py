@@ -4,9 +4,11 @@ Each of the ``rollout.n`` sessions of a prompt samples one response, partitions 
 (``algorithm.spo.chain.partition``) and estimates the value of every boundary prefix with
 ``mc_samples`` continuations scored by the reward function verl uses for the row (a custom
 ``reward.custom_reward_function`` or verl's ``default_compute_score`` for its ``data_source``). The
-sessions of a prompt share one estimate per distinct prefix. Cutpoints use the rollout's log-probs,
-which are of the temperature-scaled distribution when vLLM runs with
-``rollout.logprobs_mode=processed_logprobs`` (verl's default; checked at start-up).
+sessions of a prompt share one estimate per distinct prefix. Cutpoints are the tokens with
+``p < cutpoint_threshold`` under the policy's softmax(logits / T) without top-k/top-p, as in the SPO
+reference: read from the rollout's log-probs (vLLM's temperature-scaled ones with
+``rollout.logprobs_mode=processed_logprobs``, verl's default; checked at start-up) where they decide
+it, asked of the engine where top-k/top-p leave it open (``spo_verl.rollout.chain.low_probability_tokens``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from verl.utils.reward_score import default_compute_score
 
 from spo_verl.batch_context import SPO_FIELD
 from spo_verl.config import parse_spo_settings
+from spo_verl.algorithms.segments import cut_by_length_limit
 from spo_verl.rollout.chain import BoundaryValueCache, cap_boundaries, monte_carlo_value, segment_starts
 from spo_verl.rollout.server_output import check_not_aborted, merged_weight_versions
 
@@ -50,8 +53,11 @@ class SPOChainAgentLoop(AgentLoopBase):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.settings = parse_spo_settings(self.config.algorithm.get("spo", None)).chain
+        settings = parse_spo_settings(self.config.algorithm.get("spo", None))
+        self.settings = settings.chain
+        self.score_truncated = settings.truncated_response_score == "reward_function"
         self.response_length = self.rollout_config.response_length
+        self.eos_token_ids = {self.tokenizer.eos_token_id}
         logprobs_mode = self.rollout_config.get("logprobs_mode", PROCESSED_LOGPROBS)
         if self.settings.partition == "cutpoint" and logprobs_mode != PROCESSED_LOGPROBS:
             raise ValueError(
@@ -83,7 +89,11 @@ class SPOChainAgentLoop(AgentLoopBase):
             delimiters = (
                 _delimiter_token_ids(self.tokenizer, self.settings.delimiter) if self.settings.partition == "delimiter" else ()
             )
-            found = segment_starts(self.settings, token_ids, log_probs, delimiters)
+            found, cutpoint_requests = await segment_starts(
+                self.settings, token_ids, log_probs, generate=self.server_manager.generate, request_id=request_id,
+                prompt_ids=prompt_ids, sampling_params=sampling_params, eos_token_ids=self.eos_token_ids,
+                delimiter_token_ids=delimiters,
+            )
             starts, capped = cap_boundaries(self.settings, found, self.response_length)
             score = functools.partial(self._score, kwargs)
             estimates = [
@@ -91,7 +101,8 @@ class SPOChainAgentLoop(AgentLoopBase):
                     token_ids[:start],
                     functools.partial(
                         monte_carlo_value, self.server_manager.generate, request_id, prompt_ids, token_ids[:start],
-                        sampling_params, self.settings.mc_samples, self.response_length, score,
+                        sampling_params, self.settings.mc_samples, self.response_length, score, self.eos_token_ids,
+                        self.score_truncated,
                     ),
                 )
                 for start in starts
@@ -101,10 +112,14 @@ class SPOChainAgentLoop(AgentLoopBase):
         spo = {
             "segment_starts": starts,
             "boundary_values": [value.value for value in values],
+            # The estimators score a truncated response by algorithm.spo.truncated_response_score.
+            "truncated": cut_by_length_limit(token_ids, self.response_length, self.eos_token_ids),
             "chain": {
                 "boundaries": len(starts),
                 "mc_continuations": sum(v.continuations for v in started_here),
                 "mc_tokens": sum(v.continuation_tokens for v in started_here),
+                "mc_truncated": sum(v.truncated for v in started_here),
+                "cutpoint_requests": cutpoint_requests,
                 "no_cutpoint": self.settings.partition == "cutpoint" and not found,
                 "capped": capped,
             },

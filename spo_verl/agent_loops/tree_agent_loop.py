@@ -21,6 +21,7 @@ from uuid import uuid4
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
 from verl.utils.profiler import simple_timer
 
+from spo_verl.algorithms.segments import cut_by_length_limit
 from spo_verl.batch_context import SPO_FIELD
 from spo_verl.config import parse_spo_settings, tree_segment_budgets
 from spo_verl.rollout.server_output import merged_weight_versions
@@ -112,6 +113,8 @@ class SPOTreeAgentLoop(AgentLoopBase):
             "path": tree.path(leaf),
             "segment_ends": tree.segment_ends(leaf),
             "trains": trains,
+            # The estimator scores a truncated leaf by algorithm.spo.truncated_response_score.
+            "truncated": cut_by_length_limit(token_ids, self.response_length, {self.tokenizer.eos_token_id}),
             "tree": tree_statistics(tree),
         }
         return AgentLoopOutput(

@@ -6,6 +6,8 @@ import torch
 
 LOG_RATIO_CLAMP = 10.0
 WHITEN_EPS = 1e-8
+# The reference trains nothing on a micro-batch whose mean ratio over the masked tokens exceeds this.
+RATIO_SKIP_THRESHOLD = 10.0
 
 
 def probability_mask(old_log_probs: torch.Tensor, response_mask: torch.Tensor, threshold: float = 0.9) -> torch.Tensor:
@@ -35,6 +37,11 @@ def whiten_over_mask(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values - mean) * torch.rsqrt(variance + WHITEN_EPS)
 
 
+def masked_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """The reference's ratio ``exp(clamp((logp - logp_old) * mask, -10, 10))`` (1 outside the mask)."""
+    return torch.clamp((log_prob - old_log_prob) * loss_mask, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+
+
 def clipped_surrogate(
     log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,
@@ -47,11 +54,19 @@ def clipped_surrogate(
 
     Returns the loss matrix and a boolean matrix of tokens where the clipped branch was taken.
     """
-    log_ratio = torch.clamp((log_prob - old_log_prob) * loss_mask, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = log_ratio.exp()
+    ratio = masked_ratio(log_prob, old_log_prob, loss_mask)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def ratio_too_high(log_prob: torch.Tensor, old_log_prob: torch.Tensor, loss_mask: torch.Tensor) -> bool:
+    """Whether the mean ratio over the masked tokens exceeds 10: the reference then multiplies the
+    micro-batch's whole loss (policy and KL terms) by 0, so a policy far from the sampling one is not
+    trained on."""
+    mask = loss_mask.to(log_prob.dtype)
+    ratio = masked_ratio(log_prob.detach(), old_log_prob, mask)
+    return bool(masked_mean(ratio, mask) > RATIO_SKIP_THRESHOLD)
 
 
 def k3_kl(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:

@@ -22,9 +22,20 @@ def cutpoint_segment_starts(token_probs: Sequence[float], threshold: float = 0.9
     Every ``interval``-th low-probability token starts a segment, beginning with the first one;
     no low-probability token means no segment (all advantages 0).
     """
+    return select_cutpoints(low_probability_positions(token_probs, threshold), interval)
+
+
+def select_cutpoints(low_positions: Sequence[int], interval: int = 5) -> list[int]:
+    """Every ``interval``-th of the low-probability positions, beginning with the first (SPO.md 2a)."""
     if int(interval) != interval or interval < 1:
         raise ValueError(f"interval must be a positive integer, got {interval!r}")
-    return low_probability_positions(token_probs, threshold)[:: int(interval)]
+    return list(low_positions)[:: int(interval)]
+
+
+def cut_by_length_limit(token_ids: Sequence[int], max_tokens: int, eos_token_ids: Collection[int]) -> bool:
+    """Whether a generation was cut by its token budget: it used all ``max_tokens`` tokens and the last
+    one is not EOS. (verl's server reports "completed" for both EOS and the length limit.)"""
+    return len(token_ids) >= max_tokens and bool(token_ids) and token_ids[-1] not in eos_token_ids
 
 
 def fixed_count_segment_starts(num_tokens: int, num_segments: int) -> list[int]:

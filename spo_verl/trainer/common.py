@@ -87,7 +87,8 @@ def spo_rows_from_extra_fields(extra_fields: Sequence[Any], field: str = "spo") 
 
 def batch_metrics(context: SPOBatchContext, response_mask) -> dict[str, float]:
     """``spo/*`` metrics of one training batch: tree shape and cost (one entry per tree), chain
-    boundaries and MC cost, and how much of the response the segment training keeps."""
+    boundaries, MC cost and truncated continuations, and how much of the response the segment
+    training keeps."""
     metrics = dict(context.metrics)
     trees = {}
     for row in context.rows:
@@ -111,8 +112,13 @@ def batch_metrics(context: SPOBatchContext, response_mask) -> dict[str, float]:
         stats = [row["chain"] for row in chains]
         values = [v for row in chains for v in row["boundary_values"]]
         metrics["spo/chain/boundaries_per_response"] = float(np.mean([s["boundaries"] for s in stats]))
-        metrics["spo/chain/mc_continuations"] = float(sum(s["mc_continuations"] for s in stats))
+        continuations = sum(s["mc_continuations"] for s in stats)
+        metrics["spo/chain/mc_continuations"] = float(continuations)
         metrics["spo/chain/mc_tokens"] = float(sum(s["mc_tokens"] for s in stats))
+        if continuations:
+            # Continuations may use what the response left of rollout.response_length (docs/FIDELITY.md).
+            metrics["spo/chain/mc_truncated_fraction"] = sum(s["mc_truncated"] for s in stats) / continuations
+        metrics["spo/chain/cutpoint_requests"] = float(sum(s["cutpoint_requests"] for s in stats))
         metrics["spo/chain/no_cutpoint_fraction"] = float(np.mean([s["no_cutpoint"] for s in stats]))
         metrics["spo/chain/capped_responses"] = float(sum(s["capped"] for s in stats))
         if values:
