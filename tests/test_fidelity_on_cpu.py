@@ -11,15 +11,12 @@ import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
-from tensordict import TensorDict
 from verl import DataProto
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 from verl.trainer.ppo.ray_trainer import compute_advantage
 from verl.trainer.ppo.reward import get_custom_reward_fn
-from verl.utils import tensordict_utils as tu
 from verl.workers.config import ActorConfig
 from verl.workers.rollout.replica import TokenOutput
-from verl.workers.utils.padding import left_right_2_no_padding
 
 import spo_verl.register  # noqa: F401
 from spo_verl.agent_loops.chain_agent_loop import SPOChainAgentLoop
@@ -34,7 +31,7 @@ from spo_verl.rollout.chain import (
     monte_carlo_value,
     segment_starts,
 )
-from spo_verl.testing.verl_harness import compose_ppo_trainer, run_sessions
+from spo_verl.testing.verl_harness import compose_ppo_trainer, loss_batch, run_sessions
 from spo_verl.trainer.common import batch_metrics
 
 in_session_loop = pytest.mark.asyncio(loop_scope="session")  # the server's client lives there
@@ -334,32 +331,9 @@ def test_high_ratio_micro_batch_trains_nothing(ratio, skipped):
 
 @pytest.mark.parametrize(("ratio", "skipped"), [(12.0, True), (9.0, False)])
 def test_high_ratio_drops_the_masked_kl_too(ratio, skipped):
-    batch, response_length, prompt_length = 2, 3, 2
-    log_prob = OLD_LOG_PROB + math.log(ratio)
-    sequence_mask = torch.cat([torch.ones(batch, prompt_length, dtype=torch.long), RESPONSE_MASK], dim=1)
-    data = TensorDict(
-        {
-            "prompts": torch.full((batch, prompt_length), 5),
-            "responses": torch.full((batch, response_length), 6),
-            "input_ids": torch.full((batch, prompt_length + response_length), 7),
-            "attention_mask": sequence_mask,
-            "position_ids": torch.cumsum(sequence_mask, dim=1) - 1,
-            "response_mask": RESPONSE_MASK,
-            "old_log_probs": OLD_LOG_PROB,
-            "ref_log_prob": OLD_LOG_PROB,  # the reference model is the old policy: KL > 0 for ratio != 1
-            "advantages": ADVANTAGES,
-        },
-        batch_size=[batch],
-    )
-    data = left_right_2_no_padding(data)
-    tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=int(RESPONSE_MASK.sum()), global_batch_size=batch)
-    per_sequence = []
-    for b in range(batch):
-        length = prompt_length + int(RESPONSE_MASK[b].sum())
-        values = torch.zeros(length)
-        values[prompt_length - 1 : length - 1] = log_prob[b, : length - prompt_length]  # position i scores token i + 1
-        per_sequence.append(values)
-    model_output = {"log_probs": torch.nested.as_nested_tensor(per_sequence, layout=torch.jagged)}
+    # The reference model is the old policy: KL > 0 for ratio != 1.
+    data, model_output = loss_batch(OLD_LOG_PROB + math.log(ratio), response_mask=RESPONSE_MASK,
+                                    old_log_probs=OLD_LOG_PROB, ref_log_prob=OLD_LOG_PROB, advantages=ADVANTAGES)
     loss, metrics = spo_ppo_loss(actor_config(use_kl_loss=True), model_output, data)
     assert metrics["kl_loss"] > 0
     assert (loss.item() == 0.0) == skipped

@@ -4,17 +4,16 @@ import math
 
 import pytest
 import torch
-from tensordict import TensorDict
 from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla, get_policy_loss_fn
 from verl.utils import tensordict_utils as tu
 from verl.workers.config import ActorConfig, PolicyLossConfig
 from verl.workers.utils.losses import ppo_loss
-from verl.workers.utils.padding import left_right_2_no_padding
 
 import spo_verl.register  # noqa: F401
 from spo_verl.algorithms import probability_mask, whiten_over_mask
 from spo_verl.config import SPOConfigError
 from spo_verl.policy_loss import SPOPolicyLossConfig, spo_ppo_loss
+from spo_verl.testing.verl_harness import loss_batch
 
 ADVANTAGES = torch.tensor([[0.1, 0.1, 0.1], [0.3, 0.3, 0.0]])
 RESPONSE_MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])
@@ -148,33 +147,10 @@ def test_micro_batches_are_combined_by_their_token_share():
 def actor_batch(prompt_length=2):
     """A padded batch as the legacy trainer builds it, converted by verl's own left_right_2_no_padding,
     plus the model output the actor produces for it (a nested log-prob per input token)."""
-    batch, response_length = RESPONSE_MASK.shape
-    sequence_mask = torch.cat([torch.ones(batch, prompt_length, dtype=torch.long), RESPONSE_MASK], dim=1)
-    data = TensorDict(
-        {
-            "prompts": torch.full((batch, prompt_length), 5),
-            "responses": torch.full((batch, response_length), 6),
-            "input_ids": torch.full((batch, prompt_length + response_length), 7),
-            "attention_mask": sequence_mask,
-            "position_ids": torch.cumsum(sequence_mask, dim=1) - 1,
-            "response_mask": RESPONSE_MASK,
-            "old_log_probs": OLD_LOG_PROB,
-            "ref_log_prob": REF_LOG_PROB,
-            "advantages": ADVANTAGES,
-        },
-        batch_size=[batch],
-    )
-    data = left_right_2_no_padding(data)
-    tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=int(RESPONSE_MASK.sum()), global_batch_size=batch)
-    per_sequence = []
-    for b in range(batch):
-        length = prompt_length + int(RESPONSE_MASK[b].sum())
-        values = torch.zeros(length)
-        # The actor's log-prob at input position i scores token i + 1.
-        values[prompt_length - 1 : length - 1] = LOG_PROB[b, : length - prompt_length]
-        per_sequence.append(values)
-    log_probs = torch.nested.as_nested_tensor(per_sequence, layout=torch.jagged).requires_grad_(True)
-    return data, {"log_probs": log_probs}
+    data, model_output = loss_batch(LOG_PROB, prompt_length, response_mask=RESPONSE_MASK,
+                                    old_log_probs=OLD_LOG_PROB, ref_log_prob=REF_LOG_PROB, advantages=ADVANTAGES)
+    model_output["log_probs"].requires_grad_(True)
+    return data, model_output
 
 
 def test_through_verls_ppo_loss():

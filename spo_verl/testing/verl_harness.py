@@ -102,3 +102,33 @@ def model_log_probs(model, prompts, responses, temperature: float) -> tuple[torc
         per_sequence.append(torch.cat([scores, scores.new_zeros(1)]))
         padded[b, : len(response)] = scores[len(prompt) - 1 :].detach()
     return torch.nested.as_nested_tensor(per_sequence, layout=torch.jagged), padded
+
+
+def loss_batch(log_prob: torch.Tensor, prompt_length: int = 2, **per_token: torch.Tensor) -> tuple[TensorDict, dict]:
+    """A padded actor batch of constant tokens (``per_token`` holds ``response_mask``, ``old_log_probs``,
+    ``advantages``, ...; shape (B, response_length)), converted by verl's ``left_right_2_no_padding``,
+    and the model output verl's actor would produce for it: ``log_prob`` (B, response_length) placed
+    in the nested per-input-token layout (position i scores token i + 1)."""
+    response_mask = per_token["response_mask"]
+    batch, response_length = response_mask.shape
+    sequence_mask = torch.cat([torch.ones(batch, prompt_length, dtype=torch.long), response_mask], dim=1)
+    data = TensorDict(
+        {
+            "prompts": torch.full((batch, prompt_length), 5),
+            "responses": torch.full((batch, response_length), 6),
+            "input_ids": torch.full((batch, prompt_length + response_length), 7),
+            "attention_mask": sequence_mask,
+            "position_ids": torch.cumsum(sequence_mask, dim=1) - 1,
+            **per_token,
+        },
+        batch_size=[batch],
+    )
+    data = left_right_2_no_padding(data)
+    tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=int(response_mask.sum()), global_batch_size=batch)
+    per_sequence = []
+    for b in range(batch):
+        length = prompt_length + int(response_mask[b].sum())
+        values = torch.zeros(length)
+        values[prompt_length - 1 : length - 1] = log_prob[b, : length - prompt_length]
+        per_sequence.append(values)
+    return data, {"log_probs": torch.nested.as_nested_tensor(per_sequence, layout=torch.jagged)}
