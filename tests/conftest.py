@@ -1,6 +1,6 @@
 """Shared fixtures: one tiny Qwen2 model, and verl's own vLLM rollout server on CPU for the whole test
-session (``verl_server.py``: Ray, one standalone ``vLLMReplica`` and verl's ``LLMServerClient``; about
-a minute to start on two cores).
+session (``spo_verl/testing/verl_server.py``: Ray, one standalone ``vLLMReplica`` and verl's
+``LLMServerClient``; about a minute to start on two cores).
 
 The server is lazy: it starts when the first test that asks for ``verl_server``, ``llm_client`` or
 ``recording_client`` runs, and those tests run after all others (see
@@ -8,28 +8,11 @@ The server is lazy: it starts when the first test that asks for ``verl_server``,
 tests that start and stop Ray themselves. Async tests that use the server run in the session event
 loop: mark them with ``pytest.mark.asyncio(loop_scope="session")``."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import pytest_asyncio
 
+from spo_verl.testing import verl_server as verl_server_module
 from spo_verl.testing.tiny_vllm import build_tiny_qwen2, build_tiny_tokenizer
-
-
-def _load_sibling(name):
-    # pytest runs with --import-mode=importlib: tests/ is not on sys.path.
-    module_name = f"spo_tests_{name}"
-    if module_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(module_name, Path(__file__).with_name(f"{name}.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[module_name]
-
-
-verl_server_module = _load_sibling("verl_server")
 
 SERVER_FIXTURE = "verl_server"
 
@@ -51,7 +34,7 @@ def tiny_model(tmp_path_factory):
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def verl_server(tiny_model):
-    """verl's vLLM server replica for the tiny model (:class:`verl_server.VerlServer`)."""
+    """verl's vLLM server replica for the tiny model (:class:`spo_verl.testing.verl_server.VerlServer`)."""
     server = await verl_server_module.start_verl_server(tiny_model[0])
     try:
         yield server
@@ -67,6 +50,6 @@ def llm_client(verl_server):
 
 @pytest.fixture
 def recording_client(verl_server):
-    """A fresh :class:`verl_server.RecordingClient` around a new verl ``LLMServerClient``: calls go
+    """A fresh :class:`spo_verl.testing.verl_server.RecordingClient` around a new verl ``LLMServerClient``: calls go
     through to verl's server; ``.calls`` records this test's calls."""
     return verl_server.recording_client()

@@ -233,6 +233,78 @@ def test_batched_chain_matches_reference_on_random_inputs():
     assert counts[0] == 0 and batched[0].abs().sum() == 0
 
 
+def test_batched_chain_is_exactly_the_reference_in_float64():
+    """The scatter/cumsum/gather rewrite copies each segment's advantage: bit-equal to the plain
+    reference, for heads, a start at 0, single segments, rows without segments and padded columns."""
+    rng = random.Random(11)
+    batch, length, width = 200, 57, 9
+    starts = torch.full((batch, width), length, dtype=torch.long)  # padding as the batched cutpoints give it
+    values = torch.zeros(batch, width, dtype=torch.float64)
+    counts = torch.zeros(batch, dtype=torch.long)
+    rewards = torch.tensor([rng.choice([0.0, 1.0, -2.0, 0.3]) for _ in range(batch)], dtype=torch.float64)
+    rows = []
+    for b in range(batch):
+        row_starts = sorted(rng.sample(range(length), rng.randint(0, width)))
+        if b == 1:
+            row_starts = [0]
+        row_values = [rng.random() for _ in row_starts]
+        counts[b] = len(row_starts)
+        starts[b, : len(row_starts)] = torch.tensor(row_starts, dtype=torch.long)
+        values[b, : len(row_values)] = torch.tensor(row_values, dtype=torch.float64)
+        values[b, len(row_values) :] = 123.0  # never read
+        rows.append((row_starts, row_values))
+    batched = chain_token_advantages_batched(starts, values, counts, rewards, length)
+    assert batched.dtype == torch.float64
+    for b, (row_starts, row_values) in enumerate(rows):
+        assert batched[b].tolist() == chain_token_advantages(length, row_starts, row_values, float(rewards[b]))
+    assert any(not row_starts for row_starts, _ in rows)
+
+
+def test_tree_rows_token_advantages_are_exactly_the_reference():
+    """tree_token_advantages (pieces by scatter/cumsum/gather) against per-token advantages written
+    out with the plain reference: early-stopped leaves, a padding row, a response mask shorter than
+    the path, each segment trained by its first row only, zero advantages dropped."""
+    from spo_verl.algorithms.tree_rows import tree_token_advantages
+
+    # Tree "a": root -> 1, 2; 1 -> 3, 4; 2 stops early. Tree "b": root -> 1, 2; 1 -> 3, 4; 2 -> 5, 6.
+    rows = [("a", [1, 3], [4, 9]), ("a", [1, 4], [4, 7]), ("a", [2], [6]), (None, None, None),
+            ("b", [1, 3], [3, 10]), ("b", [1, 4], [3, 5]), ("b", [2, 5], [2, 8]), ("b", [2, 6], [2, 4])]
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0], dtype=torch.float64)
+    length = 10
+    response_mask = torch.ones(len(rows), length)
+    response_mask[0, 8:] = 0  # the mask ends before the last segment does
+    response_mask[3] = 0
+    result = tree_token_advantages([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
+                                   rewards, response_mask)
+    expected = torch.zeros(len(rows), length, dtype=torch.float64)
+    trained = torch.zeros(len(rows), length, dtype=torch.bool)
+    for tree in ("a", "b"):
+        members = [i for i, r in enumerate(rows) if r[0] == tree]
+        nodes = sorted({n for i in members for n in rows[i][1]})
+        parent_of = {}
+        for i in members:
+            for parent, child in zip([0] + rows[i][1], rows[i][1]):
+                parent_of[child] = parent
+        order = [0] + nodes
+        parents = [-1] + [order.index(parent_of[n]) for n in nodes]
+        leaf_rewards = {order.index(rows[i][1][-1]): float(rewards[i]) for i in members}
+        advantages = dict(zip(order, tree_advantages(parents, tree_values(parents, leaf_rewards))))
+        owned = set()
+        for i in members:
+            start = 0
+            for node, end in zip(rows[i][1], rows[i][2]):
+                expected[i, start:end] = advantages[node]
+                if node not in owned and advantages[node] != 0:
+                    trained[i, start:end] = True
+                owned.add(node)
+                start = end
+    expected *= response_mask.double()
+    trained &= response_mask.bool()
+    assert result.token_advantages.tolist() == expected.tolist()
+    assert torch.equal(result.trained_mask, trained)
+    assert trained.any() and not trained[3].any()
+
+
 def test_batched_functions_accept_empty_batches():
     starts, counts = cutpoint_segment_starts_batched(torch.zeros(0, 7), torch.zeros(0, 7))
     assert starts.shape == (0, 0) and counts.shape == (0,)

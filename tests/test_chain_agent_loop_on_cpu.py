@@ -17,7 +17,7 @@ from spo_verl.testing.verl_harness import compose_ppo_trainer, make_agent_loop, 
 from spo_verl.trainer.common import batch_metrics
 
 in_session_loop = pytest.mark.asyncio(loop_scope="session")  # the server's client lives there
-RESPONSE_LENGTH = 48  # as the session server (tests/verl_server.py): verl sizes its servers from rollout.response_length
+RESPONSE_LENGTH = 48  # as the session server (spo_verl/testing/verl_server.py): verl sizes its servers from rollout.response_length
 MC_SAMPLES = 3
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
 REWARD_SOURCE = '''

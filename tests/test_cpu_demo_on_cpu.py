@@ -25,16 +25,3 @@ def test_cpu_demo_runs_on_policy_iterations_and_writes_the_segment_view(tmp_path
     page = (tmp_path / "segments.html").read_text()
     assert page.count("class='seg'") >= 3 and "reward" in page
 
-
-def test_benchmark_prints_side_by_side_ratios():
-    result = subprocess.run(["bash", str(REPO / "scripts" / "benchmark.sh"), "--skip-rollout"],
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    rows = re.findall(r"^(\d+ (?:trees|chains).*?)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x$", result.stdout, flags=re.MULTILINE)
-    assert len(rows) == 4
-    for _, reference, batched, ratio in rows:
-        # Times are printed to 0.1 ms and the ratio to 0.1, from unrounded times: check within rounding.
-        reference, batched, ratio = float(reference), float(batched), float(ratio)
-        low = max(reference - 0.05, 0) / (batched + 0.05) - 0.05
-        high = (reference + 0.05) / max(batched - 0.05, 1e-9) + 0.05
-        assert low <= ratio <= high

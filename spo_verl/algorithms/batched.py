@@ -44,25 +44,30 @@ def chain_token_advantages_batched(
     """(B, T) token advantages of a batch of chains (SPO.md 3a), before the probability mask.
 
     ``segment_starts``/``boundary_values`` are (B, S); only the first ``num_segments[b]`` entries of
-    row b are read. Head tokens before a row's first start, and rows with no segment, get 0.
+    row b are read, and they must be increasing offsets below T (the estimator checks this). Head
+    tokens before a row's first start, and rows with no segment, get 0.
+
+    A token's segment is the number of starts at or before it (0 in the head): one scatter of the
+    starts, one integer cumulative sum along the row, one gather of the segment advantages, so the
+    values are copied exactly and nothing searches per token.
     """
     batch_size, width = segment_starts.shape
     device = boundary_values.device
-    if width == 0 or batch_size == 0:
+    if width == 0 or batch_size == 0 or response_length == 0:
         return torch.zeros(batch_size, response_length, dtype=boundary_values.dtype, device=device)
-    column = torch.arange(width, device=device).expand(batch_size, width)
-    valid = column < num_segments[:, None]
-    # Padding starts sort after every token, so searchsorted never lands a token in them.
-    starts = torch.where(valid, segment_starts, torch.full_like(segment_starts, response_length))
+    column = torch.arange(width, device=device)
+    counts = num_segments.to(device)[:, None]
+    valid = column < counts
     values = torch.where(valid, boundary_values, torch.zeros_like(boundary_values))
     next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], dim=-1)
-    is_last = column == (num_segments[:, None] - 1)
-    next_values = torch.where(is_last, rewards[:, None].to(values.dtype).expand_as(values), next_values)
-    segment_advantages = torch.where(valid, next_values - values, torch.zeros_like(values))
-    positions = torch.arange(response_length, device=device).expand(batch_size, response_length).contiguous()
-    segment_index = torch.searchsorted(starts.contiguous(), positions, right=True) - 1
-    token_advantages = torch.gather(segment_advantages, 1, segment_index.clamp(min=0))
-    return torch.where(segment_index >= 0, token_advantages, torch.zeros_like(token_advantages))
+    next_values = torch.where(column == counts - 1, rewards[:, None].to(values.dtype).expand_as(values), next_values)
+    # Column 0 is the head (advantage 0); column j + 1 is segment j.
+    pieces = torch.cat([values.new_zeros(batch_size, 1), torch.where(valid, next_values - values, 0.0)], dim=1)
+    # Unused columns add 0.
+    starts = segment_starts.to(device).clamp(0, response_length - 1)
+    marks = torch.zeros(batch_size, response_length, dtype=torch.int64, device=device)
+    marks.scatter_add_(1, starts, valid.long())
+    return torch.gather(pieces, 1, torch.cumsum(marks, dim=1, out=marks))
 
 
 def node_depths_batched(parents: torch.Tensor) -> torch.Tensor:

@@ -114,12 +114,12 @@ def tree_token_advantages(
     device = rewards.device
     forest = _build_forest(tree_ids, paths)
     parents = torch.tensor(forest.parents, dtype=torch.long, device=device)
-    leaf_rewards = torch.zeros(len(forest.parents), dtype=torch.float64, device=device)  # exact sibling centring
     width = max((len(nodes) for nodes in forest.row_nodes), default=0)
-    node_table = torch.full((batch_size, max(width, 1)), -1, dtype=torch.long)
-    end_table = torch.full((batch_size, max(width, 1)), length + 1, dtype=torch.long)
+    node_rows, end_rows, leaf_rows = [], [], []
     for row, nodes in enumerate(forest.row_nodes):
         if not nodes:
+            node_rows.append([-1] * width)
+            end_rows.append([length + 1] * width)
             continue
         ends = list(segment_ends[row])
         if len(ends) != len(nodes) or any(b <= a for a, b in zip([0] + ends, ends)) or ends[-1] > length:
@@ -127,20 +127,19 @@ def tree_token_advantages(
                 f"row {row}: segment_ends must be {len(nodes)} increasing offsets ending at most at the response "
                 f"length {length}, got {ends}"
             )
-        node_table[row, : len(nodes)] = torch.tensor(nodes)
-        end_table[row, : len(nodes)] = torch.tensor(ends)
-        leaf_rewards[nodes[-1]] = rewards[row].double()
-    node_table, end_table = node_table.to(device), end_table.to(device)
+        padding = width - len(nodes)
+        node_rows.append(nodes + [-1] * padding)
+        end_rows.append(ends + [length + 1] * padding)
+        leaf_rows.append((nodes[-1], row))
+    node_table = torch.tensor(node_rows, dtype=torch.long, device=device).reshape(batch_size, width)
+    end_table = torch.tensor(end_rows, dtype=torch.long, device=device).reshape(batch_size, width)
+    leaf_rewards = torch.zeros(len(forest.parents), dtype=torch.float64, device=device)  # exact sibling centring
+    if leaf_rows:
+        leaves, rows_of_leaves = zip(*leaf_rows)
+        leaf_rewards[list(leaves)] = rewards[list(rows_of_leaves)].double()
 
     values = tree_values_batched(parents, leaf_rewards)
     node_advantages = tree_advantages_batched(parents, values, std_normalize=std_normalize)
-
-    positions = torch.arange(length, device=device).expand(batch_size, length).contiguous()
-    segment = torch.searchsorted(end_table, positions, right=True).clamp(max=node_table.shape[1] - 1)
-    node = torch.gather(node_table, 1, segment)
-    inside = (node >= 0) & (positions < end_table.gather(1, segment)) & response_mask.bool()
-    safe_node = node.clamp(min=0)
-    token_advantages = torch.where(inside, node_advantages[safe_node], torch.zeros((), device=device))
 
     rows = torch.arange(batch_size, device=device)[:, None].expand_as(node_table)
     present = node_table >= 0
@@ -152,9 +151,27 @@ def tree_token_advantages(
         trainable &= node_advantages != 0
     if max_trained_segments_per_tree is not None:
         trainable &= _sample_per_tree(parents, trainable, max_trained_segments_per_tree, generator)
-    trained = inside & (owner[safe_node] == torch.arange(batch_size, device=device)[:, None]) & trainable[safe_node]
+
+    # Per row, the response is a run of pieces: the path's segments in order, then the rest (after the
+    # last segment end, or a row with no path), which has advantage 0 and trains nothing. A token's
+    # piece is the number of segment ends at or before it: one scatter, one cumulative sum along the
+    # row, then a gather of each piece's advantage and trained flag (values copied exactly).
+    safe_node = node_table.clamp(min=0)
+    piece_advantages = torch.zeros(batch_size, width + 1, dtype=rewards.dtype, device=device)
+    piece_advantages[:, :width] = torch.where(present, node_advantages[safe_node], 0.0).to(rewards.dtype)
+    piece_trained = torch.zeros(batch_size, width + 1, dtype=torch.bool, device=device)
+    piece_trained[:, :width] = present & (owner[safe_node] == rows) & trainable[safe_node]
+    token_advantages = torch.zeros(batch_size, length, dtype=rewards.dtype, device=device)
+    trained = torch.zeros(batch_size, length, dtype=torch.bool, device=device)
+    if width and length:
+        marks = torch.zeros(batch_size, length, dtype=torch.long, device=device)
+        marks.scatter_add_(1, end_table.clamp(max=length - 1), (present & (end_table < length)).long())
+        piece = torch.cumsum(marks, dim=1, out=marks)
+        in_response = response_mask.bool()
+        token_advantages = torch.gather(piece_advantages, 1, piece).masked_fill_(~in_response, 0)
+        trained = torch.gather(piece_trained, 1, piece) & in_response
     return TreeBatchAdvantages(
-        token_advantages=token_advantages.to(rewards.dtype),
+        token_advantages=token_advantages,
         trained_mask=trained,
         node_values=values,
         node_advantages=node_advantages,

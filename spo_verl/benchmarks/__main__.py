@@ -1,0 +1,3 @@
+from spo_verl.benchmarks.cli import main
+
+main()

@@ -1,0 +1,395 @@
+"""The benchmark command: runs every measurement, prints the Markdown and writes it to ``--output``.
+
+    python -m spo_verl.benchmarks [--quick] [--skip-rollout] [--output docs/BENCHMARKS.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import glob
+import json
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+from spo_verl.benchmarks import maths, rollout, tokens
+from spo_verl.benchmarks.report import Report, header, render, table
+from spo_verl.benchmarks.timing import compare, measure_memory_case, memory_report
+
+ESTIMATOR_TARGET = 3.0
+LOSS_TARGET = 1.1
+STEP_SHARE_TARGET = 0.01
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Maths (no model)
+# ------------------------------------------------------------------------------------------------
+
+
+def run_maths(report: Report, quick: bool, repeats: int, threads: int) -> dict:
+    results: dict = {}
+    memory = memory_report("spo_verl.benchmarks", maths.MEMORY_CASES, quick, threads)
+
+    def mem(case: str) -> str:
+        return f"{memory[case]['peak_mib']:.0f}"
+
+    # Advantage estimators at cluster size, through verl's registry.
+    rows = []
+    paper = tokens.paper_counts()
+    step_tokens = {"spo_tree": paper["spo_tree_rows"] * paper["prompts_per_step"]}
+    chain_data = maths.chain_batch(quick)
+    tree_data = maths.tree_batch(quick)
+    for name, data, kind in (("spo_chain", chain_data, "estimator-chain"), ("spo_tree", tree_data, "estimator-tree")):
+        comparison = compare(maths.estimator_call(name, data), maths.estimator_call("grpo", data), repeats)
+        batch, width = data.shape
+        label = (f"{batch} responses x {width} tokens ({maths.CHAIN_PER_PROMPT} per prompt)" if name == "spo_chain"
+                 else f"{len(set(data.index))} trees x {batch // len(set(data.index))} leaves x {width} tokens")
+        # Lower bound of a training step at this batch: 6 N FLOPs per token (prompt ~150 + response).
+        trained = int(data.response_mask.sum()) + 150 * batch
+        step = tokens.step_seconds_lower_bound(trained)
+        share = comparison.a_median / step
+        results[name] = {"comparison": comparison, "step_lower_bound_s": step, "share": share, "label": label}
+        rows.append([f"`{name}` vs `grpo`", label, _ms(comparison.b_median), _ms(comparison.a_median),
+                     comparison.ratio_text(), f"{mem(kind + '/grpo')} / {mem(kind + '/' + name)}",
+                     f"{step:.0f} s", f"{share:.3%}"])
+        report.target(f"3. `{name}` vs verl `grpo`, {label}", f"<= {ESTIMATOR_TARGET:g}x",
+                      comparison.ratio_text(), comparison.ratio <= ESTIMATOR_TARGET,
+                      "" if comparison.ratio <= ESTIMATOR_TARGET else _estimator_reason(name))
+        report.target(f"3. `{name}` share of a training step", f"well under {STEP_SHARE_TARGET:.0%}",
+                      f"{share:.3%} of a {step:.0f} s lower bound", share < STEP_SHARE_TARGET,
+                      "" if share < STEP_SHARE_TARGET else
+                      f"against a deliberately generous lower bound (the actor update alone at 50 % MFU on 8 H100s); "
+                      f"the rollout of every tree node and the log-prob passes come on top but are not measured "
+                      f"here (no GPU), and {comparison.a_median * 1e3:.0f} ms is one thread of a shared 2-core "
+                      f"machine; the Python pass over the {batch} rows' metadata (forest building) is the rest "
+                      f"to cut.")
+    e2e = e2e_step_times()
+    report.add("3. Advantage estimation at cluster size (no model)", f"""
+Both sides through verl's own registry (`verl.trainer.ppo.core_algos.get_adv_estimator_fn`) on the same
+tensors, as verl's `compute_advantage` calls them: `grpo` with `norm_adv_by_std_in_grpo=True` (verl's
+default), `spo_chain`/`spo_tree` with their per-row SPO metadata handed over by
+`spo_verl.batch_context.provide_spo_rows` as the SPO trainer does. Chains: responses of 1/4 to all of
+the width, 1-64 segments each at random cutpoints; trees: full 6-6-6 trees, one row per leaf, segments of
+width/3 tokens above the last depth. verl computes advantages on the driver's CPU, so these CPU figures
+are the ones that count on a cluster too.
+
+{table(["comparison", "batch", "grpo ms", "SPO ms", "SPO / grpo", "peak MiB grpo / SPO", "step lower bound", "SPO share of step"], rows)}
+
+Share of a training step: a training step at this batch size cannot take less than the actor update
+alone, 6 x 1.5e9 FLOPs per trained token (prompt ~150 + response tokens of the batch) on 8 H100s at
+50 % of their 989 dense bf16 TFLOP/s, i.e. the "step lower bound" column; rollout (generating every
+tree node), old and reference log-probs and the weight sync all come on top, so the true share is
+smaller still. The paper's MATH step (32 prompts x 216 leaves, ~1,650 tokens a leaf, {step_tokens['spo_tree']:,}
+training tokens) has a lower bound of {tokens.step_seconds_lower_bound(step_tokens['spo_tree']):.0f} s.
+{e2e}
+""")
+
+    # Batched functions against their plain-Python references.
+    rows = []
+    for batch, length in maths._size(maths.REFERENCE_CHAINS, quick):
+        reference, batched = maths.reference_chain_calls(batch, length)
+        comparison = compare(reference, batched, repeats)
+        rows.append([f"{batch} chains x {length} tokens", _ms(comparison.a_median), _ms(comparison.b_median),
+                     comparison.ratio_text(1)])
+        report.target(f"3. batched chain advantages vs plain-Python reference, {batch} x {length}",
+                      "faster (> 1x)", comparison.ratio_text(1), comparison.ratio > 1.0)
+    for trees in maths._size(maths.REFERENCE_FORESTS, quick):
+        reference, batched, nodes = maths.reference_tree_calls(trees)
+        comparison = compare(reference, batched, repeats)
+        rows.append([f"{trees} trees 6-6-6 ({nodes} nodes)", _ms(comparison.a_median), _ms(comparison.b_median),
+                     comparison.ratio_text(1)])
+    report.add("3b. Batched advantage functions against their plain-Python references", f"""
+The tensor functions of `spo_verl.algorithms.batched` against the plain-Python references they must
+agree with (the chain rows are checked equal, bit for bit, before timing), the reference called row by
+row (tree by tree) as a caller would.
+
+{table(["case", "reference ms", "batched ms", "speed-up"], rows)}
+""")
+
+    # The loss.
+    rows = []
+    vanilla = maths.loss_call("vanilla", quick)
+    for name in maths.LOSS_NAMES[1:]:
+        comparison = compare(maths.loss_call(name, quick), vanilla, repeats)
+        rows.append([f"`{name}`", _ms(comparison.b_median), _ms(comparison.a_median), comparison.ratio_text(),
+                     f"{mem('loss/vanilla')} / {mem('loss/' + name)}"])
+        hit = comparison.ratio <= LOSS_TARGET
+        report.target(f"4. `{name}` vs verl `vanilla`, forward + backward", f"<= {LOSS_TARGET:g}x",
+                      comparison.ratio_text(), hit, "" if hit else _loss_reason(name))
+    batch, width = maths._size(maths.LOSS_BATCH, quick)
+    report.add("4. Policy loss against verl's `vanilla`", f"""
+Forward and backward (`loss.backward()` into the log-probs) of verl's registered losses
+(`get_policy_loss_fn`) on the same tensors: one micro-batch of {batch} responses x {width} tokens (1/4 to all
+of the width valid), about half of the tokens below the probability mask's p = 0.9, `token-mean`,
+clip 0.2, verl's global batch info set as verl's actor sets it.
+
+{table(["loss", "vanilla ms", "SPO ms", "SPO / vanilla", "peak MiB vanilla / SPO"], rows)}
+""")
+
+    report.add("6. Peak memory", f"""
+Method: torch has no allocator statistics on the CPU, so the cases run one after the other in one fresh
+subprocess (`python -m spo_verl.benchmarks --memory-cases ...`, glibc's `MALLOC_MMAP_THRESHOLD_`/`MALLOC_TRIM_THRESHOLD_`
+at 128 KiB so freed tensors leave the resident set): the case's inputs are built, it runs once, the kernel's
+peak-RSS mark is reset (`/proc/self/clear_refs`), it runs again, and the figure is the peak resident set
+size reached above the resident size just before that call (inputs excluded).
+
+{table(["case", "inputs MiB", "peak MiB above inputs"], [[case, f"{v['inputs_mib']:.0f}", f"{v['peak_mib']:.0f}"] for case, v in memory.items()])}
+""")
+    results["memory"] = memory
+    return results
+
+
+def _estimator_reason(name: str) -> str:
+    return (f"`{name}` turns per-row Python metadata into tensors (one Python pass over the rows) before its "
+            "tensor maths; `grpo` only groups scores by uid.")
+
+
+def _loss_reason(name: str) -> str:
+    if name.endswith("reference"):
+        return ("the reference normalisation whitens the advantages over the masked tokens and computes the "
+                "masked ratio (extra full-size tensor passes that `vanilla` does not make).")
+    return "the probability mask (exp of the old log-probs, a compare and a product) comes on top of `vanilla`."
+
+
+def e2e_step_times() -> str:
+    """Step times of the end-to-end CPU runs from verl's file logger, if any ran here."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    rows = []
+    for path in sorted(glob.glob(os.path.join(root, "logs", "*", "*", "metrics-*.jsonl"))):
+        times = []
+        with open(path) as lines:
+            for line in lines:
+                try:
+                    value = json.loads(line).get("data", {}).get("timing_s/step")
+                except json.JSONDecodeError:
+                    continue
+                if value is not None:
+                    times.append(float(value))
+        if len(times) > 1:
+            rows.append([os.path.relpath(path, root), len(times), f"{statistics.median(times[1:]):.1f}"])
+    if not rows:
+        return ("No end-to-end run's metric file (`logs/<project>/<experiment>/metrics-*.jsonl`) was found on this "
+                "machine; on the tiny CPU setting a step takes seconds (README: ~4 s after the first) while "
+                "its estimator batch is a few rows (microseconds).")
+    return ("End-to-end CPU runs found here (median step time after the first step; their batches are a few rows, "
+            "whose advantages take microseconds):\n\n" + table(["metric file", "steps", "s/step"], rows))
+
+
+# ------------------------------------------------------------------------------------------------
+# Rollout through verl's real rollout path
+# ------------------------------------------------------------------------------------------------
+
+
+def _counts_cell(side: rollout.Side, attribute: str) -> str:
+    values = [getattr(r["counts"], attribute) for r in side.rounds]
+    return str(values[-1]) if len(set(values)) == 1 else f"{min(values)}-{max(values)}"
+
+
+def _vllm_agrees(side: rollout.Side) -> bool | None:
+    checks = [r["vllm"] == r["counts"] for r in side.rounds if r["vllm"] is not None]
+    return all(checks) if checks else None
+
+
+def tree_section(report: Report, results: list[rollout.TreeResult], counter_source: str) -> None:
+    rows, token_rows = [], []
+    for result in results:
+        for side, label in ((result.tree, f"`spo_tree` {result.shape}"), (result.independent, "`single_turn_agent`")):
+            last = side.rounds[-1]
+            counts = last["counts"]
+            rows.append([
+                label, f"{result.prompts} x {result.leaves}", f"{statistics.median(r['seconds'] for r in side.rounds):.2f}",
+                _counts_cell(side, "requests"), _counts_cell(side, "generated_tokens"),
+                f"{counts.cached_prompt_tokens} / {counts.computed_prompt_tokens}",
+                str(result.analytic_generated) if side is result.tree else str(result.prompts * result.leaves * result.response_length),
+                {True: "yes", False: "**no**", None: "-"}[_vllm_agrees(side)],
+            ])
+        generated = [r["counts"].generated_tokens for r in result.tree.rounds]
+        exact = all(g == result.analytic_generated for g in generated) and result.early_stops == 0
+        independent = result.independent.rounds[-1]["counts"].generated_tokens
+        rows.append([f"**tree / independent** {result.shape}", "", result.comparison.ratio_text(), "",
+                     f"{result.tree.rounds[-1]['counts'].generated_tokens / independent:.2f}x", "", "", ""])
+        report.target(f"1. `spo_tree` {result.shape}: generated tokens = analytic count",
+                      "equal, fixed seed", f"{sorted(set(generated))} vs {result.analytic_generated}", exact,
+                      "" if exact else f"{result.early_stops} early stops: EOS was sampled")
+        tree_training = rollout.training_rows(result.tree.rounds[-1]["output"])
+        grpo_training = rollout.training_rows(result.independent.rounds[-1]["output"])
+        unique = rollout.tree_unique_tokens(result.tree.rounds[-1]["output"])
+        token_rows.append([result.shape, f"{tree_training['tokens']:,} ({tree_training['rows']} rows)",
+                           f"{grpo_training['tokens']:,} ({grpo_training['rows']} rows)", f"{unique:,}",
+                           f"{tree_training['tokens'] / unique:.2f}x"])
+    report.add("1. Tree rollout against independent sampling, through verl's rollout path", f"""
+verl's `AgentLoopWorker.generate_sequences` (the code of verl's agent-loop workers, run in the benchmark's
+process) with verl's `LLMServerClient` in front of one standalone verl `vLLMReplica` on vLLM's CPU backend
+(`spo_verl/testing/verl_server.py`, the `spo_cpu` platform), the tests' tiny random Qwen2 (2 layers,
+character tokenizer). The `spo_tree` loop against `single_turn_agent` with `rollout.n` = the tree's leaves,
+the same prompts, temperature 1, a {rollout.RESPONSE_LENGTH}-token response length; every request carries
+vLLM's `min_tokens = max_tokens`, so no EOS is sampled and every node gets its full budget (segments:
+{", ".join(f"{r.shape} {list(r.budgets)} + last {r.response_length - sum(r.budgets)}" for r in results)}).
+Counts are those of the last round; the wall time is the median over rounds. Prefix cache: prompt tokens
+vLLM served from its prefix cache / computed (`RequestOutput.num_cached_tokens`, per request, through
+verl's `TokenOutput.extra_fields`). {counter_source}
+
+{table(["side", "prompts x leaves", "wall s", "requests", "generated tokens", "prompt tokens cached / computed", "analytic generated", "vLLM counters agree"], rows)}
+""")
+    report.add("5b. Training tokens per step, measured on these CPU rollouts", f"""
+Tokens through the actor's forward and backward for the batches above (every row is prompt + response,
+the attention-masked tokens verl's remove-padding forward sees; the legacy loop's stand-in rows that train
+nothing excluded) against the tree's unique tokens (each prompt and each node once):
+
+{table(["shape", "SPO-tree rows", "GRPO, same leaves", "tree's unique tokens", "rows / unique"], token_rows)}
+""")
+
+
+def chain_section(report: Report, results: list[rollout.ChainResult]) -> None:
+    rows = []
+    for result in results:
+        per_round = result.per_round()
+        response = sum(r["response_tokens"] for r in per_round)
+        mc = sum(r["mc_tokens"] for r in per_round)
+        responses = result.prompts * result.n * len(per_round)
+        grpo_generated = statistics.median(r["counts"].generated_tokens for r in result.grpo.rounds)
+        chain_generated = statistics.median(r["counts"].generated_tokens for r in result.chain.rounds)
+        rows.append([
+            f"int{result.interval}", f"{result.prompts} x {result.n}",
+            f"{sum(r['boundaries'] for r in per_round) / responses:.1f}",
+            f"{sum(r['mc_continuations'] for r in per_round) / responses:.1f}", f"{mc / max(response, 1):.1f}",
+            f"{chain_generated / max(grpo_generated, 1):.1f}x",
+            f"{result.comparison.a_median:.2f}", f"{result.comparison.b_median:.2f}", result.comparison.ratio_text(1),
+        ])
+        report.target(f"2. SPO-chain int{result.interval}: MC cost against GRPO", "reported",
+                      f"{mc / max(response, 1):.1f} continuation tokens per response token; "
+                      f"{result.comparison.ratio_text(1)} GRPO's wall time per step", None)
+    report.add("2. SPO-chain Monte Carlo cost against GRPO", f"""
+The `spo_chain` agent loop (cutpoint partition, p < 0.9, every k-th low-probability token starts a segment,
+{results[0].mc_samples if results else '-'} Monte Carlo continuations per boundary scored by verl's GSM8K scorer) against
+`single_turn_agent` (what `grpo` samples) with the same `rollout.n`, through the same verl worker and server,
+the model's own EOS (about 4 % per token), {rollout.RESPONSE_LENGTH}-token responses. A step here is one
+rollout batch (the rest of a training step is the same for both).
+
+{table(["interval", "prompts x n", "boundaries / response", "MC continuations / response", "continuation tokens / response token", "generated tokens vs GRPO", "SPO s/step", "GRPO s/step", "SPO / GRPO wall"], rows)}
+""")
+
+
+def training_tokens_section(report: Report, measured: rollout.TreeResult | None) -> None:
+    paper = tokens.paper_counts()
+    rows = [
+        ["SPO-tree 6-6-6, one row per leaf (verl today)", f"{paper['spo_tree_rows']:,}", f"{paper['spo_tree_rows'] * 32:,}"],
+        ["GRPO, 216 samples of the same length", f"{paper['grpo_same_leaves']:,}", f"{paper['grpo_same_leaves'] * 32:,}"],
+        ["the tree's unique tokens (each prefix once)", f"{paper['unique']:,}", f"{paper['unique'] * 32:,}"],
+    ]
+    ratio = paper["spo_tree_rows"] / paper["unique"]
+    text = f"""
+Analytic, the paper's MATH setting (prompt ~150 tokens, tree 6-6-6, segments 600 / 600 / ~300, 32 prompts
+a step): every leaf row is a whole sequence, so the shared prefixes are recomputed once per leaf below them.
+
+{table(["what the actor forwards and back-propagates", "per tree", "per step (32 prompts)"], rows)}
+
+Per-leaf rows cost {ratio:.2f}x the unique tokens, exactly what GRPO with the same number of samples costs:
+training each prefix once would cut the actor's forward/backward tokens {ratio:.2f}-fold at the paper's
+setting (section 5b measures the same on the CPU rollouts). SPO's
+trainer also drops rows with no trained token (every segment is trained by one row, zero-advantage segments
+are dropped), which only helps when whole leaves have nothing to train.
+"""
+    if measured is not None:
+        output = measured.tree.rounds[-1]["output"]
+        tree_tokens = rollout.training_rows(output)["tokens"]
+        unique = rollout.tree_unique_tokens(output)
+        last = measured.response_length - sum(measured.budgets)
+        analytic = sum(tokens.per_leaf_row_tokens(p, measured.branching, (*measured.budgets, last))
+                       for p in _tree_prompt_lengths(output))
+        text += (f"\nMeasured on the CPU `spo_tree` {measured.shape} rollout (section 1): {tree_tokens:,} row tokens for "
+                 f"{unique:,} unique tokens ({tree_tokens / unique:.2f}x); analytic for its prompts and shape: {analytic:,} row tokens.\n")
+        exact = measured.early_stops == 0 and tree_tokens == analytic
+        report.target(f"5. training tokens per step, `spo_tree` {measured.shape} (CPU rows vs analytic)",
+                      "measured = analytic", f"{tree_tokens:,} rows vs {analytic:,} analytic; {unique:,} unique "
+                      f"({tree_tokens / unique:.2f}x)", exact)
+    report.target("5. training tokens per step, paper 6-6-6 (analytic)", "reported",
+                  f"{paper['spo_tree_rows']:,} per-leaf vs {paper['unique']:,} unique per tree ({ratio:.2f}x)", None)
+    report.add("5. Training tokens per step", text)
+
+
+def _tree_prompt_lengths(output) -> list[int]:
+    lengths = output.batch["attention_mask"][:, : output.batch["prompts"].shape[1]].sum(dim=1).tolist()
+    seen, result = set(), []
+    for row, meta in enumerate(output.non_tensor_batch["spo"]):
+        if meta["tree_id"] not in seen:
+            seen.add(meta["tree_id"])
+            result.append(lengths[row])
+    return result
+
+
+async def run_rollout(report: Report, quick: bool, repeats: int) -> rollout.TreeResult | None:
+    from spo_verl.testing.tiny_vllm import build_tiny_qwen2, build_tiny_tokenizer
+
+    with tempfile.TemporaryDirectory() as model_dir:
+        build_tiny_qwen2(model_dir, build_tiny_tokenizer(model_dir), seed=0)
+        server = await rollout.start_server(model_dir)
+        try:
+            shapes = ["2-2"] if quick else list(rollout.TREE_SHAPES)
+            prompts = rollout.PROMPTS[:1] if quick else rollout.PROMPTS[:2]
+            trees = [await rollout.benchmark_tree(server, model_dir, shape, prompts, repeats) for shape in shapes]
+            chain_n, mc = (2, 3) if quick else (4, 9)
+            chains = [await rollout.benchmark_chain(server, model_dir, interval, rollout.PROMPTS[:1] if quick else rollout.PROMPTS[:2],
+                                                    chain_n, mc, repeats) for interval in rollout.CHAIN_INTERVALS]
+        finally:
+            server.shutdown()
+    tree_section(report, trees, "vLLM's own Prometheus counters, read in verl's server actor "
+                 "(`vllm:request_success`, `vllm:prompt_tokens_by_source`, `vllm:generation_tokens`), must give the "
+                 "same requests, cached/computed prompt tokens and generated tokens: last column.")
+    chain_section(report, chains)
+    return trees[-1]
+
+
+# ------------------------------------------------------------------------------------------------
+# The command
+# ------------------------------------------------------------------------------------------------
+
+
+def build_report(quick: bool, skip_rollout: bool, repeats: int, threads: int) -> Report:
+    report = Report()
+    run_maths(report, quick, repeats, threads)
+    measured = None if skip_rollout else asyncio.run(run_rollout(report, quick, max(2, repeats // 2 + 1) if not quick else 1))
+    training_tokens_section(report, measured)
+    # Sections in the order of the issue.
+    report.sections.sort(key=lambda section: section.split(" ", 2)[1])
+    return report
+
+
+def main(argv=None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes, 2 repeats, one 2-2 tree (CI)")
+    parser.add_argument("--skip-rollout", action="store_true", help="no vLLM server: maths and analytic counts only")
+    parser.add_argument("--output", default=None, help="write the Markdown here (e.g. docs/BENCHMARKS.md)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed rounds per comparison (default 7, quick 2)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for the timed maths (default 1)")
+    parser.add_argument("--memory-cases", nargs="*", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.memory_cases is not None:
+        import spo_verl.register  # noqa: F401  (import verl's registries before anything is measured)
+        from verl.workers.config import ActorConfig  # noqa: F401
+
+        results = {case: measure_memory_case(maths.memory_case(case, args.quick)) for case in args.memory_cases}
+        print(json.dumps(results))
+        return ""
+    repeats = args.repeats or (2 if args.quick else 7)
+    started = time.perf_counter()
+    report = build_report(args.quick, args.skip_rollout, repeats, args.threads)
+    command = "bash scripts/benchmark.sh " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    text = render(report, header(command.strip(), args.threads, None, time.perf_counter() - started))
+    if args.output:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        with open(args.output, "w") as out:
+            out.write(text)
+    print(text)
+    return text

@@ -1,0 +1,71 @@
+"""The benchmark command (``bash scripts/benchmark.sh``, ``spo_verl.benchmarks``) cannot rot: its quick
+configuration runs here, and a 2-2 tree through verl's real rollout path (the session's verl server)
+generates exactly its analytic token count."""
+
+import math
+import re
+
+import pytest
+
+from spo_verl.benchmarks import cli, rollout, tokens
+from spo_verl.benchmarks.report import Report, header, render
+
+in_session_loop = pytest.mark.asyncio(loop_scope="session")  # the server's client lives there
+
+
+def test_quick_maths_report_has_every_section_and_target(tmp_path):
+    output = tmp_path / "BENCHMARKS.md"
+    text = cli.main(["--quick", "--skip-rollout", "--output", str(output)])
+    assert output.read_text() == text
+    for line in ("# Benchmarks", "* Date:", "* Machine:", "* Versions:", "* GPU: none lent"):
+        assert line in text
+    headings = re.findall(r"^## (\S+)", text, flags=re.MULTILINE)
+    assert headings == ["Targets", "3.", "3b.", "4.", "5.", "6."]
+    targets = re.findall(r"^\| ([1-6]\..*?) \| (.*?) \| (.*?) \| (hit|\*\*MISS\*\*|reported)", text, flags=re.MULTILINE)
+    names = [name for name, *_ in targets]
+    assert sum(n.startswith("3. `spo_") and "vs verl `grpo`" in n for n in names) == 2
+    assert sum(n.startswith("4. `spo_prob_mask") for n in names) == 2
+    assert any(n.startswith("3. batched chain advantages") for n in names)
+    assert any(n.startswith("5. training tokens per step, paper") for n in names)
+    for name, target, measured, result in targets:
+        if result == "**MISS**":
+            assert re.search(r"\*\*MISS\*\* \S", text.split(name, 1)[1].splitlines()[0]), f"a miss needs its reason: {name}"
+    # Every ratio is printed with its spread.
+    assert re.search(r"\d+\.\d+x \(\d+\.\d+-\d+\.\d+\)", text)
+    memory_rows = re.findall(r"^\| (estimator-\S+|loss/\S+) \| (\d+) \| (\d+) \|$", text, flags=re.MULTILINE)
+    assert len(memory_rows) == 7
+
+
+def test_analytic_counts():
+    assert rollout.analytic_tree_tokens((2, 2), (16,), 32) == 2 * 16 + 4 * 16
+    assert rollout.analytic_tree_tokens((6, 6, 6), (8, 8), 32) == 6 * 8 + 36 * 8 + 216 * 16
+    paper = tokens.paper_counts()
+    assert paper["spo_tree_rows"] == 356_400 and paper["unique"] == 90_150  # TREE_TRAINING_NOTES.md
+
+
+@in_session_loop
+async def test_tree_rollout_generates_its_analytic_count_through_verls_worker(verl_server, tiny_model):
+    model_dir = tiny_model[0]
+    result = await rollout.benchmark_tree(verl_server, model_dir, "2-2", rollout.PROMPTS[:1], repeats=1,
+                                          response_length=24, budgets=(8,))
+    assert result.early_stops == 0
+    analytic = 2 * 8 + 4 * 16
+    assert result.analytic_generated == analytic
+    tree = result.tree.rounds[-1]
+    independent = result.independent.rounds[-1]
+    assert tree["counts"].generated_tokens == analytic == rollout.tree_generated_from_metadata(tree["output"])
+    assert tree["counts"].requests == 2 + 4
+    assert independent["counts"].generated_tokens == 4 * 24 and independent["counts"].requests == 4
+    assert tree["vllm"] is None  # the session server runs with vLLM's statistics off
+    # Training rows: 4 leaf rows of prompt + 24 tokens each; the tree's unique tokens once.
+    prompt = int(tree["output"].batch["attention_mask"][0, : tree["output"].batch["prompts"].shape[1]].sum())
+    assert rollout.training_rows(tree["output"]) == {"rows": 4, "tokens": 4 * (prompt + 24)}
+    assert rollout.tree_unique_tokens(tree["output"]) == prompt + analytic
+    report = Report()
+    cli.tree_section(report, [result], "")
+    cli.training_tokens_section(report, result)
+    text = render(report, header("test", 1, None))
+    assert "| `spo_tree` 2-2 | 1 x 4 |" in text and "| `single_turn_agent` | 1 x 4 |" in text
+    assert re.search(r"\| 1\. `spo_tree` 2-2: generated tokens = analytic count \| .*? \| hit \|", text)
+    assert re.search(r"\| 5\. training tokens per step, `spo_tree` 2-2 .*? \| hit \|", text)
+    assert math.isfinite(result.comparison.ratio)
