@@ -21,10 +21,25 @@ SPO_FIELD = "spo"
 
 
 @dataclass
+class TreeNodes:
+    """What the ``spo_tree`` estimator computed for every node of the batch's forest, for the sample log.
+
+    ``tree_ids``/``paths`` are the estimator's per-row inputs (None for rows it skipped); the forest
+    built from them (``spo_verl.algorithms.tree_rows._build_forest``) numbers the nodes that
+    ``values``/``advantages`` are indexed by."""
+
+    tree_ids: list[Any]
+    paths: list[list[int] | None]
+    values: torch.Tensor  # (N,)
+    advantages: torch.Tensor  # (N,)
+
+
+@dataclass
 class SPOBatchContext:
     rows: list[Mapping[str, Any] | None]
     trained_mask: torch.Tensor | None = None  # (B, T) set by the estimator; None means "train every token"
     metrics: dict[str, float] = field(default_factory=dict)
+    tree_nodes: TreeNodes | None = None  # set by the spo_tree estimator
 
 
 _current: contextvars.ContextVar[SPOBatchContext | None] = contextvars.ContextVar("spo_batch_context", default=None)

@@ -82,18 +82,40 @@ class TreeSettings:
 
 
 @dataclass(frozen=True)
+class SampleLogSettings:
+    """A few trained responses per step, written for people to look at (``spo_verl.trainer.sample_log``).
+
+    ``dir``: a folder; the driver appends one JSON line per training step to ``<dir>/samples.jsonl``
+    (decoded tokens, probabilities, probability mask, segments, advantages, and for SPO-tree the tree
+    with each node's value and advantage). null writes nothing.
+    ``responses_per_step``: responses logged per step (spo_chain, grpo, ...); spo_tree logs the whole
+    tree of one prompt instead (every leaf of it).
+    """
+
+    dir: str | None = None
+    responses_per_step: int = 4
+
+
+@dataclass(frozen=True)
 class SPOSettings:
     """``truncated_response_score``: what a response cut by the length limit (no EOS at the end of its
     token budget) scores, for the trajectory reward R of SPO-chain and SPO-tree rows and for the Monte
     Carlo continuations that estimate SPO-chain's boundary values V, so V and R stay on one scale.
     ``zero``: 0, as the SPO reference scores an unfinished response. ``reward_function``: what the
     row's reward function gives the truncated text (verl's behaviour).
+    ``generated_token_budget``: stop training once the rollout has generated this many tokens (each
+    tree node once, chains with their Monte Carlo continuations; ``spo/generated_tokens``), so that
+    algorithms are compared at equal sampling cost: the step that is expected to reach it (from the
+    previous step's count) is the last, with verl's final validation and checkpoint. null: verl's
+    ``trainer.total_training_steps``/``total_epochs`` alone decide.
     """
 
     prob_mask: ProbMaskSettings = field(default_factory=ProbMaskSettings)
     chain: ChainSettings = field(default_factory=ChainSettings)
     tree: TreeSettings = field(default_factory=TreeSettings)
     truncated_response_score: str = "zero"
+    sample_log: SampleLogSettings = field(default_factory=SampleLogSettings)
+    generated_token_budget: int | None = None
 
 
 def _fail(key: str, allowed: str, value: Any) -> SPOConfigError:
@@ -139,6 +161,12 @@ def _positive_int_list(key: str, value: Any) -> tuple[int, ...]:
     return tuple(_positive_int(f"{key}[{i}]", item) for i, item in enumerate(value))
 
 
+def _optional_text(key: str, value: Any) -> str | None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise _fail(key, "a non-empty string or null", value)
+    return value
+
+
 def _optional_positive_int(key: str, value: Any) -> int | None:
     return None if value is None else _positive_int(key, value)
 
@@ -166,6 +194,9 @@ _CHECKS = {
     "tree.std_normalize": _boolean,
     "tree.drop_zero_advantage": _boolean,
     "tree.max_trained_segments_per_prompt": _optional_positive_int,
+    "sample_log.dir": _optional_text,
+    "sample_log.responses_per_step": _positive_int,
+    "generated_token_budget": _optional_positive_int,
 }
 
 

@@ -7,6 +7,7 @@ Both take verl's estimator arguments and read the segment/tree metadata of each 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -16,7 +17,7 @@ from verl.trainer.ppo.core_algos import register_adv_est
 
 from spo_verl.algorithms.batched import chain_token_advantages_batched
 from spo_verl.algorithms.tree_rows import tree_token_advantages
-from spo_verl.batch_context import SPO_FIELD, SPOBatchContext, current_spo_context
+from spo_verl.batch_context import SPO_FIELD, SPOBatchContext, TreeNodes, current_spo_context
 from spo_verl.config import SPOSettings, parse_spo_settings
 
 PADDING_UID_PREFIX = "pad"  # verl's upsample_batch_to_divisible_size names its rows "pad<hex>"
@@ -97,25 +98,30 @@ def compute_spo_chain_advantage(
     batch_size, length = response_mask.shape
     rows, _ = _rows_for("spo_chain", batch_size, index, spo_rows)
     settings = _settings(config)
-    width = max((len(_field(row, "segment_starts", "spo_chain")) for row in rows if row is not None), default=0)
-    starts = torch.zeros(batch_size, width, dtype=torch.long)
-    values = torch.zeros(batch_size, width, dtype=torch.float32)
-    counts = torch.zeros(batch_size, dtype=torch.long)
-    valid_lengths = response_mask.sum(dim=-1).tolist()
+    starts_of, values_of = [], []
     for b, row in enumerate(rows):
-        if row is None:
-            continue
-        row_starts = list(_field(row, "segment_starts", "spo_chain"))
-        row_values = list(_field(row, "boundary_values", "spo_chain"))
+        row_starts = list(_field(row, "segment_starts", "spo_chain")) if row is not None else []
+        row_values = list(_field(row, "boundary_values", "spo_chain")) if row is not None else []
         if len(row_values) != len(row_starts):
             raise ValueError(f"spo_chain row {b}: {len(row_starts)} segment starts but {len(row_values)} values")
-        if any(b2 <= a for a, b2 in zip(row_starts, row_starts[1:])) or any(
-            not 0 <= s < max(valid_lengths[b], 1) for s in row_starts
-        ):
-            raise ValueError(f"spo_chain row {b}: segment starts {row_starts} are not increasing offsets in the response")
-        counts[b] = len(row_starts)
-        starts[b, : len(row_starts)] = torch.tensor(row_starts, dtype=torch.long)
-        values[b, : len(row_values)] = torch.tensor(row_values, dtype=torch.float32)
+        starts_of.append(row_starts)
+        values_of.append(row_values)
+    # One tensor per field for the whole batch (padded), then the checks on tensors.
+    counts = torch.tensor([len(row_starts) for row_starts in starts_of], dtype=torch.long)
+    width = int(counts.max()) if batch_size else 0
+    valid = torch.arange(width)[None, :] < counts[:, None]
+    starts = torch.zeros(batch_size, width, dtype=torch.long)
+    values = torch.zeros(batch_size, width, dtype=torch.float32)
+    starts[valid] = torch.tensor([s for row_starts in starts_of for s in row_starts], dtype=torch.long)
+    values[valid] = torch.tensor([v for row_values in values_of for v in row_values], dtype=torch.float32)
+    room = response_mask.sum(dim=-1).long().clamp(min=1).cpu()
+    increasing = torch.ones_like(valid)
+    if width > 1:
+        increasing[:, 1:] = starts[:, 1:] > starts[:, :-1]
+    bad = valid & ~(increasing & (starts >= 0) & (starts < room[:, None]))
+    if bool(bad.any()):
+        b = int(bad.any(dim=1).nonzero()[0])
+        raise ValueError(f"spo_chain row {b}: segment starts {starts_of[b]} are not increasing offsets in the response")
     rewards = _trajectory_rewards(token_level_rewards, rows, settings)
     device = token_level_rewards.device
     advantages = chain_token_advantages_batched(
@@ -144,6 +150,10 @@ def _check_one_tree_per_uid(index: np.ndarray | None, tree_ids: Sequence) -> Non
     split across agent-loop workers) would be mixed into one set of node values."""
     if index is None:
         return
+    pairs = set(zip(index, tree_ids))
+    uids = [uid for uid, tree_id in pairs if tree_id is not None]
+    if len(set(uids)) == len(uids):
+        return  # one tree (or none) per uid
     trees_of_uid: dict[Any, set] = {}
     for uid, tree_id in zip(index, tree_ids):
         if tree_id is not None:
@@ -156,6 +166,34 @@ def _check_one_tree_per_uid(index: np.ndarray | None, tree_ids: Sequence) -> Non
             f"of a prompt must run in one agent-loop worker (legacy trainer: data.train_batch_size must be a multiple "
             f"of actor_rollout_ref.rollout.agent.num_workers)"
         )
+
+
+def _tree_fields(rows: Sequence[Mapping | None], index: np.ndarray | None) -> tuple[list, list, list]:
+    """Each row's tree id (its ``tree_id``, else its uid), path (copied) and segment ends; None for
+    skipped rows. A row with no tree id or a missing field raises, from the first such row."""
+    try:
+        uids = index if index is not None else itertools.repeat(None)
+        tree_ids = [None if row is None else row.get("tree_id", uid) for row, uid in zip(rows, uids)]
+        paths = [None if row is None else list(row["path"]) for row in rows]
+        ends = [None if row is None else row["segment_ends"] for row in rows]
+        complete = len(tree_ids) == len(rows) and all(
+            tree_id is not None for row, tree_id in zip(rows, tree_ids) if row is not None)
+    except (KeyError, TypeError, AttributeError):
+        complete = False
+    if complete:
+        return tree_ids, paths, ends
+    # Something to report: the row by row reading, which raises at the first bad row.
+    tree_ids, paths, ends = [], [], []
+    for b, row in enumerate(rows):
+        if row is None:
+            tree_ids.append(None), paths.append(None), ends.append(None)
+            continue
+        tree_ids.append(row.get("tree_id", index[b] if index is not None else None))
+        if tree_ids[-1] is None:
+            raise ValueError(f"spo_tree row {b}: no tree_id in its metadata and no uid to group by")
+        paths.append(list(_field(row, "path", "spo_tree")))
+        ends.append(list(_field(row, "segment_ends", "spo_tree")))
+    return tree_ids, paths, ends
 
 
 @register_adv_est("spo_tree")
@@ -178,16 +216,7 @@ def compute_spo_tree_advantage(
     batch_size, _ = response_mask.shape
     rows, context = _rows_for("spo_tree", batch_size, index, spo_rows)
     settings = _settings(config)
-    tree_ids, paths, ends = [], [], []
-    for b, row in enumerate(rows):
-        if row is None:
-            tree_ids.append(None), paths.append(None), ends.append(None)
-            continue
-        tree_ids.append(row.get("tree_id", index[b] if index is not None else None))
-        if tree_ids[-1] is None:
-            raise ValueError(f"spo_tree row {b}: no tree_id in its metadata and no uid to group by")
-        paths.append(list(_field(row, "path", "spo_tree")))
-        ends.append(list(_field(row, "segment_ends", "spo_tree")))
+    tree_ids, paths, ends = _tree_fields(rows, index)
     _check_one_tree_per_uid(index, tree_ids)
     result = tree_token_advantages(
         tree_ids,
@@ -198,9 +227,11 @@ def compute_spo_tree_advantage(
         std_normalize=settings.tree.std_normalize,
         drop_zero_advantage=settings.tree.drop_zero_advantage,
         max_trained_segments_per_tree=settings.tree.max_trained_segments_per_prompt,
+        zero_untrained=True,  # untrained tokens get 0 in the same pass
     )
     if context is not None:
         context.trained_mask = result.trained_mask
         context.metrics.update(_tree_advantage_metrics(result))
-    advantages = result.token_advantages * result.trained_mask.to(result.token_advantages.dtype)
+        context.tree_nodes = TreeNodes(tree_ids, paths, result.node_values, result.node_advantages)
+    advantages = result.token_advantages
     return advantages, advantages

@@ -36,15 +36,18 @@ TREE_LEAF_SLOTS = 9  # its tree is 3-3
 # same tokens agree to float32 rounding (about 1e-6 measured); a stale or broken sync is off by >1e-2.
 SYNC_BOUND = 1e-4
 
-# (test id, run script, ALGORITHM or None for the script's own, extra Hydra overrides)
+# (test id, run script, ALGORITHM or None for the script's own, extra Hydra overrides, overrides of
+# the first run only). Two first runs are allowed 6 steps but stop after step 2 because their
+# generated-token budget (1 token) is reached after step 1: the equal-cost stop on both trainers.
+BUDGET_STOP = ["trainer.total_training_steps=6", "algorithm.spo.generated_token_budget=1"]
 CASES = [
-    ("v1-spo_tree", "run_spo_tree.sh", None, []),
-    ("v1-spo_chain", "run_spo_chain.sh", None, []),
-    ("v1-grpo", "run_grpo.sh", None, []),
-    ("v1-grpo_prob_mask", "run_grpo.sh", "grpo_prob_mask", []),
-    ("v1-ppo", "run_grpo.sh", "ppo", []),
-    ("legacy-spo_tree", "run_spo_tree.sh", None, ["trainer.use_v1=false"]),
-    ("legacy-spo_chain", "run_spo_chain.sh", None, ["trainer.use_v1=false"]),
+    ("v1-spo_tree", "run_spo_tree.sh", None, [], []),
+    ("v1-spo_chain", "run_spo_chain.sh", None, [], []),
+    ("v1-grpo", "run_grpo.sh", None, [], BUDGET_STOP),
+    ("v1-grpo_prob_mask", "run_grpo.sh", "grpo_prob_mask", [], []),
+    ("v1-ppo", "run_grpo.sh", "ppo", [], []),
+    ("legacy-spo_tree", "run_spo_tree.sh", None, ["trainer.use_v1=false"], []),
+    ("legacy-spo_chain", "run_spo_chain.sh", None, ["trainer.use_v1=false"], BUDGET_STOP),
 ]
 
 
@@ -88,15 +91,16 @@ def _launch(script: str, env: dict, args: list[str], log: Path, metrics: Path) -
     return Run(process.returncode, log, metrics, time.perf_counter() - started)
 
 
-def _run_case(case_id: str, script: str, algorithm: str | None, overrides: list[str], cache: Path, work: Path) -> Case:
+def _run_case(case_id: str, script: str, algorithm: str | None, overrides: list[str], first_only: list[str],
+              cache: Path, work: Path) -> Case:
     work.mkdir(parents=True)
     env = {**os.environ, "SPO_CPU_CACHE": str(cache), "CHECKPOINT_DIR": str(work / "checkpoints"),
            "TENSORBOARD_DIR": str(work / "tensorboard"), "EXPERIMENT_NAME": case_id}
     env.pop("SETTING", None)  # no GPU here: the scripts must pick cpu-tiny themselves
     if algorithm:
         env["ALGORITHM"] = algorithm
-    first = _launch(script, {**env, "TOTAL_TRAINING_STEPS": "2", "SAVE_FREQ": "2", "TEST_FREQ": "2"}, overrides,
-                    work / "first.log", work / "first.jsonl")
+    first = _launch(script, {**env, "TOTAL_TRAINING_STEPS": "2", "SAVE_FREQ": "2", "TEST_FREQ": "2"},
+                    [*overrides, *first_only], work / "first.log", work / "first.jsonl")
     resumed = None
     if first.returncode == 0:
         resumed = _launch(script, {**env, "TOTAL_TRAINING_STEPS": "3", "SAVE_FREQ": "-1", "TEST_FREQ": "-1"},
@@ -124,8 +128,8 @@ def runs(tmp_path_factory):
     with ThreadPoolExecutor(max_workers=PARALLEL_RUNS) as pool:
         readme = pool.submit(_run_readme_command, work / "readme")
         futures = {
-            case_id: pool.submit(_run_case, case_id, script, algorithm, overrides, cache, work / case_id)
-            for case_id, script, algorithm, overrides in CASES
+            case_id: pool.submit(_run_case, case_id, script, algorithm, overrides, first_only, cache, work / case_id)
+            for case_id, script, algorithm, overrides, first_only in CASES
         }
         results = {case_id: future.result() for case_id, future in futures.items()}
         results["readme"] = readme.result()
@@ -170,8 +174,12 @@ def test_trains_validates_checkpoints_and_resumes(runs, case_id):
     # Step 2's rollout came from the weights step 1 trained, synced into vLLM.
     assert steps[2]["training/rollout_probs_diff_max"] < SYNC_BOUND
 
+    # Generated tokens of every algorithm, each tree node once, chains with their MC continuations.
+    assert all(data["spo/generated_tokens"] > 0 for data in steps.values())
+    assert steps[2]["spo/generated_tokens_cumulative"] == steps[1]["spo/generated_tokens"] + steps[2]["spo/generated_tokens"]
     last = steps[2]
     if algorithm == "spo_tree":
+        assert last["spo/generated_tokens"] == last["spo/tree/generated_tokens"]
         assert last["spo/tree/trees"] == TRAIN_BATCH
         assert 1 <= last["spo/tree/leaves_per_tree"] <= TREE_LEAF_SLOTS
         # 3 depth-1 nodes, each either a leaf (early EOS) or the parent of 3 leaves.
@@ -183,10 +191,12 @@ def test_trains_validates_checkpoints_and_resumes(runs, case_id):
         assert last["spo/chain/boundaries_per_response"] > 0
         assert last["spo/chain/mc_continuations"] > 0 and last["spo/chain/mc_tokens"] > 0
         assert 0 <= last["spo/chain/boundary_value_min"] <= last["spo/chain/boundary_value_max"] <= 1
+        assert last["spo/generated_tokens"] > last["spo/chain/mc_tokens"]
     if algorithm in ("spo_tree", "spo_chain", "grpo_prob_mask"):
         assert all(0 < data["spo/prob_mask/masked_fraction"] < 1 for data in steps.values())
     else:
-        assert not any(key.startswith("spo/") for key in last), "baselines log no spo/ metrics"
+        spo_keys = {key for key in last if key.startswith("spo/")}
+        assert spo_keys == {"spo/generated_tokens", "spo/generated_tokens_cumulative"}, "baselines: token counts only"
     if algorithm == "ppo":
         assert _finite(last.get("critic/vf_loss"))
 

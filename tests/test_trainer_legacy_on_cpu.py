@@ -11,7 +11,13 @@ from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
 import verl.trainer.ppo.ray_trainer as ray_trainer_module
 from spo_verl.estimators import SPOMetadataMissingError
-from spo_verl.trainer.legacy import SPO_METRICS_KEY, SPORayPPOTrainer, compute_advantage_with_spo_rows, spo_advantage_hook
+from spo_verl.trainer.legacy import (
+    GENERATED_TOKENS_KEY,
+    SPO_METRICS_KEY,
+    SPORayPPOTrainer,
+    compute_advantage_with_spo_rows,
+    spo_advantage_hook,
+)
 from spo_verl.trainer.runners import _SPOLegacyTaskRunner
 
 ALGORITHM = OmegaConf.create({"adv_estimator": "spo_tree", "spo": {}})
@@ -61,6 +67,7 @@ def test_non_spo_estimators_are_verls_unchanged():
     out = compute_advantage_with_spo_rows(data, "grpo", config=OmegaConf.create({"adv_estimator": "grpo"}))
     assert torch.equal(out.batch["response_mask"], before)
     assert SPO_METRICS_KEY not in out.meta_info
+    assert out.meta_info[GENERATED_TOKENS_KEY] == 12  # 4 responses of 3 tokens
 
 
 def test_missing_column_fails_with_the_fix():
@@ -91,3 +98,82 @@ def test_legacy_task_runner_builds_the_spo_trainer(monkeypatch):
     _SPOLegacyTaskRunner.run(object.__new__(_SPOLegacyTaskRunner), OmegaConf.create({}))
     assert built["trainer"] is SPORayPPOTrainer
     assert main_ppo_v0.RayPPOTrainer is RayPPOTrainer
+
+
+class CharTokenizer:
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(97 + int(i) % 26) for i in ids)
+
+
+def after_old_log_probs(rows, rewards, lengths, width, uids):
+    """A legacy batch as compute_advantage gets it in fit: left-padded prompts (width 3), scores, p_old."""
+    data = legacy_batch(rows, rewards, lengths, width, uids)
+    batch_size = len(rows)
+    data.batch["prompts"] = torch.tensor([[0, 5, 6]] * batch_size)
+    data.batch["attention_mask"] = torch.cat([torch.tensor([[0, 1, 1]] * batch_size), data.batch["response_mask"].long()], 1)
+    data.batch["responses"] = torch.arange(batch_size * width).reshape(batch_size, width) % 20 + 1
+    data.batch["token_level_scores"] = data.batch["token_level_rewards"].clone()
+    data.batch["old_log_probs"] = torch.full((batch_size, width), float(np.log(0.5)))
+    return data
+
+
+def logging_trainer(directory, estimator, loss_mode="spo_prob_mask"):
+    trainer = object.__new__(SPORayPPOTrainer)  # no workers: fit's advantage call only
+    trainer.config = OmegaConf.create({
+        "algorithm": {"adv_estimator": estimator, "gamma": 1.0, "lam": 1.0, "norm_adv_by_std_in_grpo": True,
+                      "spo": {"sample_log": {"dir": str(directory), "responses_per_step": 2}}},
+        "actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": loss_mode}}},
+    })
+    trainer.tokenizer, trainer.global_steps = CharTokenizer(), 3
+    return trainer
+
+
+def fit_advantage_call(trainer, data, num_repeat):
+    """The call RayPPOTrainer.fit makes, under the hook SPORayPPOTrainer.fit installs."""
+    algorithm = trainer.config.algorithm
+    with spo_advantage_hook(trainer):
+        return ray_trainer_module.compute_advantage(
+            data, adv_estimator=algorithm.adv_estimator, gamma=algorithm.gamma, lam=algorithm.lam,
+            num_repeat=num_repeat, norm_adv_by_std_in_grpo=True, config=algorithm)
+
+
+def test_fit_writes_the_tree_of_a_step_to_the_sample_log(tmp_path):
+    from spo_verl.trainer.sample_log import SAMPLES_FILE, read_records
+
+    rows = [
+        {"tree_id": "t", "path": [1, 3], "segment_ends": [2, 4], "trains": True},
+        {"tree_id": "t", "path": [1, 4], "segment_ends": [2, 5], "trains": True},
+        {"tree_id": "t", "path": [1, 4], "segment_ends": [2, 5], "trains": False},  # a stand-in copy
+        {"tree_id": "t", "path": [2, 5], "segment_ends": [3, 4], "trains": True},
+        {"tree_id": "t", "path": [2, 6], "segment_ends": [3, 5], "trains": True},
+    ]
+    data = after_old_log_probs(rows, [1.0, 0.0, 0.0, 1.0, 1.0], [4, 5, 5, 4, 5], 5, ["u"] * 5)
+    data.batch["response_mask"][2] = 0
+    out = fit_advantage_call(logging_trainer(tmp_path, "spo_tree"), data, num_repeat=5)
+    assert out.batch["response_mask"].sum(dim=1).tolist() == [4, 3, 0, 3, 0]  # narrowed to the trained segments after logging
+    (record,) = read_records(tmp_path / SAMPLES_FILE)
+    assert record["step"] == 3 and len(record["responses"]) == 4  # the stand-in is not a leaf of its own
+    assert {n["id"]: n["value"] for n in record["tree"]["nodes"]} == pytest.approx(
+        {"root": 0.75, "1": 0.5, "2": 1.0, "3": 1.0, "4": 0.0, "5": 1.0, "6": 1.0})
+    assert record["responses"][0]["prompt"] == "fg"  # left padding dropped
+    assert record["responses"][1]["trained"] == [0, 0, 1, 1, 1]
+
+
+def test_fit_logs_baseline_samples_without_spo_metrics(tmp_path):
+    from spo_verl.trainer.sample_log import SAMPLES_FILE, read_records
+
+    data = after_old_log_probs([None] * 4, [1.0, 0.0, 1.0, 0.0], [3, 3, 2, 3], 3, ["g", "g", "h", "h"])
+    out = fit_advantage_call(logging_trainer(tmp_path, "grpo", loss_mode="vanilla"), data, num_repeat=2)
+    assert SPO_METRICS_KEY not in out.meta_info
+    (record,) = read_records(tmp_path / SAMPLES_FILE)
+    assert record["algorithm"] == "grpo" and record["prob_mask_applied"] is False
+    assert [r["uid"] for r in record["responses"]] == ["g", "h"]  # one per prompt first
+    assert [len(r["tokens"]) for r in record["responses"]] == [3, 2]
+    assert record["responses"][0]["advantages"] == pytest.approx(out.batch["advantages"][0].tolist(), abs=1e-6)
+
+
+def test_without_a_sample_log_dir_fit_calls_the_plain_hook():
+    trainer = object.__new__(SPORayPPOTrainer)
+    trainer.config = OmegaConf.create({"algorithm": {"adv_estimator": "grpo"}})
+    with spo_advantage_hook(trainer):
+        assert RayPPOTrainer.fit.__globals__["compute_advantage"] is compute_advantage_with_spo_rows

@@ -11,6 +11,7 @@ import ray
 import torch
 import transfer_queue as tq
 from omegaconf import OmegaConf
+from tensordict import TensorDict
 from transfer_queue import KVBatchMeta
 from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
 from verl.utils.tensordict_utils import list_of_dict_to_tensordict
@@ -104,6 +105,8 @@ def test_paper_tree_through_transfer_queue(transfer_queue):
     assert metrics["spo/tree/zero_advantage_fraction/depth2"] == pytest.approx(6 / 9)
     assert metrics["spo/tree/generated_over_independent"] == pytest.approx(33 / 45)
     assert metrics["spo/trained_token_fraction"] == pytest.approx(15 / 45)
+    # Each node generated once (33 tokens), not the 45 of the leaf rows; the padding row adds nothing.
+    assert metrics["spo/generated_tokens"] == metrics["spo/tree/generated_tokens"] == 33
 
 
 def test_missing_metadata_fails_with_the_fix(transfer_queue):
@@ -124,7 +127,9 @@ def test_non_spo_estimators_take_verls_path_unchanged(transfer_queue):
     expected = (torch.tensor([1.0, 0, 1, 0]) - 0.5) / (torch.tensor([1.0, 0, 1, 0]).std() + 1e-6)
     assert advantages.tolist() == pytest.approx(expected.tolist(), abs=1e-5)
     assert stored["response_mask"].to_padded_tensor(0).sum() == 20
-    assert not any(key.startswith("spo/") for key in metrics)
+    # verl's metrics are verl's; only the step's generated tokens are counted (4 responses x 5 tokens).
+    assert {k: v for k, v in metrics.items() if k.startswith("spo/")} == {
+        "spo/generated_tokens": 20.0, "spo/generated_tokens_cumulative": 20.0}
 
 
 def test_loss_metrics_are_lifted_out_of_the_actor_prefix():
@@ -203,5 +208,69 @@ def test_chain_worked_example_through_transfer_queue(transfer_queue):
     assert stored["response_mask"].to_padded_tensor(0).sum() == 22
     assert metrics["spo/chain/boundaries_per_response"] == 1.5
     assert metrics["spo/chain/mc_continuations"] == 27 and metrics["spo/chain/no_cutpoint_fraction"] == 0.5
+    assert metrics["spo/generated_tokens"] == 22 + 100  # both responses and the continuations
     assert metrics["spo/chain/boundary_value_mean"] == pytest.approx(0.5)
     assert metrics["spo/chain/mc_truncated_fraction"] == 9 / 27
+
+
+class CharTokenizer:
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(97 + int(i) % 26) for i in ids)
+
+
+def logging_trainer(directory, adv_estimator="spo_tree", step=5):
+    instance = trainer(adv_estimator, sample_log={"dir": str(directory), "responses_per_step": 2})
+    instance.tokenizer, instance.global_steps = CharTokenizer(), step
+    return instance
+
+
+def put_old_log_probs(batch, probs):
+    """What verl's old-log-prob step writes before the advantage step."""
+    from verl.workers.utils.padding import response_to_nested
+
+    mask = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["response_mask"])["response_mask"]
+    padded = torch.tensor(probs, dtype=torch.float32).log()
+    tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
+                    fields=TensorDict({"old_log_probs": response_to_nested(padded, mask)}, batch_size=len(batch.keys)))
+
+
+def test_the_sample_log_gets_the_whole_tree_from_transfer_queue(transfer_queue, tmp_path):
+    from spo_verl.trainer.sample_log import SAMPLES_FILE, read_records
+
+    outputs = [leaf([1 + i // 3, 4 + i], [2, 5], r, {"tree_id": "tree4"}) for i, r in enumerate(PAPER_LEAF_REWARDS)]
+    padding = leaf([1, 4], [2, 5], 0.0, {"tree_id": "tree4"})
+    padding.response_mask = [0] * 5
+    batch = store(outputs + [padding], lambda s: "tree4" if s < 9 else "pad77")
+    put_old_log_probs(batch, [[0.5, 0.95, 0.2, 0.99, 0.3]] * 10)
+    metrics = {}
+    logging_trainer(tmp_path)._compute_advantage(batch, metrics)
+    (record,) = read_records(tmp_path / SAMPLES_FILE)
+    assert record["step"] == 5 and record["algorithm"] == "spo_tree"
+    assert len(record["responses"]) == 9  # every leaf of the tree, not responses_per_step; no padding row
+    nodes = {n["id"]: n for n in record["tree"]["nodes"]}
+    # SPO.md 6, the paper's tree: V(a) = 2/3, V(b) = 1, V(c) = 0, V(root) = 5/9.
+    assert nodes["root"]["value"] == pytest.approx(5 / 9, abs=1e-6)
+    assert [nodes[n]["value"] for n in "123"] == pytest.approx([2 / 3, 1, 0], abs=1e-6)
+    assert [nodes[n]["advantage"] for n in "123"] == pytest.approx([1 / 9, 4 / 9, -5 / 9], abs=1e-6)
+    assert [nodes[str(4 + i)]["reward"] for i in range(9)] == PAPER_LEAF_REWARDS
+    first = record["responses"][0]
+    assert first["in_prob_mask"] == [1, 0, 1, 0, 1] and first["tokens"] == ["k", "l", "m", "n", "o"]
+    assert first["advantages"] == pytest.approx([1 / 9, 1 / 9, 1 / 3, 1 / 3, 1 / 3], abs=1e-6)
+    assert [r["trained"] for r in record["responses"][:2]] == [[1] * 5, [0, 0, 1, 1, 1]]
+    assert first["prompt"] == "de"
+
+
+def test_the_sample_log_of_a_baseline_adds_no_spo_metric(transfer_queue, tmp_path):
+    from spo_verl.trainer.sample_log import SAMPLES_FILE, read_records
+
+    outputs = [leaf([1], [5], r) for r in (1.0, 0.0, 1.0, 0.0)]
+    batch = store(outputs, lambda s: "grpo5")
+    put_old_log_probs(batch, [[0.5] * 5] * 4)
+    metrics = {}
+    logging_trainer(tmp_path, "grpo", step=2)._compute_advantage(batch, metrics)
+    assert {k for k in metrics if k.startswith("spo/")} == {"spo/generated_tokens", "spo/generated_tokens_cumulative"}
+    (record,) = read_records(tmp_path / SAMPLES_FILE)
+    assert record["algorithm"] == "grpo" and len(record["responses"]) == 2
+    assert [r["score"] for r in record["responses"]] == [1.0, 0.0]
+    assert [len(r["segments"]) for r in record["responses"]] == [1, 1]
+    assert record["responses"][0]["segments"][0]["advantage"] > 0 > record["responses"][1]["segments"][0]["advantage"]

@@ -4,7 +4,9 @@
 * ``_compute_advantage`` reads each trajectory's ``extra_fields["spo"]`` from TransferQueue and runs
   verl's own advantage step with those rows visible to the SPO estimators; then it restricts the loss
   to the segments the estimator chose to train (``response_mask``/``loss_mask`` in TransferQueue, as
-  verl's rollout correction does) and logs ``spo/*`` metrics;
+  verl's rollout correction does) and logs ``spo/*`` metrics; with ``algorithm.spo.sample_log.dir``
+  set it also appends a few of the step's responses (segments, probabilities, advantages; one whole
+  tree for spo_tree) to ``samples.jsonl`` there, for every algorithm (``spo_verl.trainer.sample_log``);
 * ``init`` installs SPO's actor loss (verl's ``ppo_loss`` plus the reference's masked KL);
 * ``_update_actor`` sends only the trajectories that train at least one token to the actor (leaves
   whose segments are all trained elsewhere or all zero cost no forward/backward), padded and
@@ -26,6 +28,7 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.workers.utils.padding import response_to_nested
 
 from spo_verl.batch_context import provide_spo_rows
+from spo_verl.config import parse_spo_settings
 from spo_verl.trainer.common import (
     batch_metrics,
     check_no_per_row_rollout_n,
@@ -34,6 +37,8 @@ from spo_verl.trainer.common import (
     spo_rows_from_extra_fields,
     uses_spo_metadata,
 )
+from spo_verl.trainer.sample_log import SampledResponse, log_step, sample_log_settings
+from spo_verl.trainer.token_budget import GeneratedTokenBudget, step_generated_tokens
 
 TRAINER_MODE = "spo"
 
@@ -61,9 +66,14 @@ class SPOTrainer(PPOTrainerSync):
 
     def _compute_advantage(self, batch, metrics: dict):
         if not uses_spo_metadata(self.config):
-            return super()._compute_advantage(batch, metrics)
+            batch = super()._compute_advantage(batch, metrics)
+            stored = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
+                                     select_fields=["uid", "response_mask"])
+            self._count_generated_tokens(batch, stored["response_mask"], metrics)
+            self._log_samples(batch, stored, None)
+            return batch
         stored = tq.kv_batch_get(
-            keys=batch.keys, partition_id=batch.partition_id, select_fields=["extra_fields", "response_mask"]
+            keys=batch.keys, partition_id=batch.partition_id, select_fields=["extra_fields", "response_mask", "uid"]
         )
         rows = spo_rows_from_extra_fields(list(stored["extra_fields"]))
         with provide_spo_rows(rows) as context:
@@ -81,7 +91,53 @@ class SPOTrainer(PPOTrainerSync):
                 partition_id=batch.partition_id,
                 fields=TensorDict({"response_mask": nested, "loss_mask": nested}, batch_size=len(batch)),
             )
+        self._count_generated_tokens(batch, response_mask, metrics)
+        self._log_samples(batch, stored, context)
         return batch
+
+    def _count_generated_tokens(self, batch, response_mask, metrics: dict) -> None:
+        """``spo/generated_tokens`` of this step (padding rows excluded) and the token budget's stop."""
+        if not hasattr(self, "_token_budget"):
+            self._token_budget = GeneratedTokenBudget(parse_spo_settings(self.config.algorithm.get("spo")).generated_token_budget)
+        real_rows = [not tag.get("is_padding", False) for tag in batch.tags]
+        response_tokens = sum(float(mask.sum()) for mask, real in zip(response_mask.unbind(), real_rows) if real)
+        self._token_budget.record(self, step_generated_tokens(response_tokens, metrics), metrics)
+
+    def _log_samples(self, batch, stored, context) -> None:
+        """``algorithm.spo.sample_log``: fetch only the chosen rows from TransferQueue and append them.
+        ``stored`` holds the batch's uids and its response_mask before SPO narrowed it."""
+        if sample_log_settings(self.config.algorithm).dir is None:
+            return
+        masks = list(stored["response_mask"].unbind())
+        trained_mask = context.trained_mask if context is not None else None
+
+        def fetch(chosen):
+            data = tq.kv_batch_get(
+                keys=[batch.keys[i] for i in chosen], partition_id=batch.partition_id,
+                select_fields=["prompts", "responses", "advantages", "old_log_probs", "rm_scores"],
+            )
+            fields = {name: list(data[name].unbind()) for name in data.keys()}
+            responses = []
+            for j, i in enumerate(chosen):
+                mask = masks[i]
+                length = mask.numel()
+                trained = mask.bool() if trained_mask is None else mask.bool() & trained_mask[i, :length].bool()
+                responses.append(SampledResponse(
+                    batch_index=i, uid=str(uids[i]), row=context.rows[i] if context is not None else None,
+                    prompt_ids=fields["prompts"][j].tolist(), response_ids=fields["responses"][j].tolist(),
+                    log_probs=fields["old_log_probs"][j], response_mask=mask, advantages=fields["advantages"][j],
+                    trained=trained, score=float(fields["rm_scores"][j].sum()),
+                ))
+            return responses
+
+        uids = stored["uid"]  # a list of strings from TransferQueue (NonTensorStack once padded)
+        uids = [str(uid) for uid in (uids.tolist() if hasattr(uids, "tolist") else uids)]
+        log_step(
+            self.global_steps, self.config, self.tokenizer, uids, [int(m.sum()) for m in masks], fetch,
+            rows=context.rows if context is not None else None,
+            tree_nodes=context.tree_nodes if context is not None else None,
+            padding=[bool(tag.get("is_padding", False)) for tag in batch.tags],
+        )
 
     def _update_actor(self, batch, metrics: dict):
         rows = getattr(self, "_spo_rows_to_train", None)

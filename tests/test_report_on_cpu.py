@@ -1,0 +1,242 @@
+"""python -m spo_verl.report on small recorded runs: every plot, CSV and the HTML page are produced, the
+numbers are the ones recorded, and the page rendered by a real headless browser (Debian's chromium)
+is not blank and shows the segments and the tree it was given.
+
+The runs are recorded here with the same code the training runs use: verl's own FileLogger for the
+metrics and the sample log's functions (spo_verl.trainer.sample_log) for samples.jsonl, so neither
+format can drift from what the report reads.
+
+Chromium: the browser check skips when /usr/bin/chromium is missing on a developer machine, and fails
+under CI (environment variable CI=true), where the browser is part of the set-up.
+"""
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+from PIL import Image
+
+from spo_verl.batch_context import provide_spo_rows
+from spo_verl.estimators import compute_spo_chain_advantage, compute_spo_tree_advantage
+from spo_verl.trainer.sample_log import SAMPLES_FILE, SampledResponse, append_record, step_record
+
+REPO = Path(__file__).resolve().parents[1]
+CHROMIUM = "/usr/bin/chromium"
+ACCURACY = "val-core/openai/gsm8k/acc/mean@1"
+OUTPUTS = ["accuracy_vs_step.png", "accuracy_vs_generated_tokens.png", "reward_vs_step.png",
+           "reward_vs_generated_tokens.png", "results.csv", "summary.csv", "report.html"]
+
+
+class WordTokenizer:
+    """Token id i decodes to WORDS[i]: segment texts are readable and predictable."""
+
+    WORDS = ["<p>", "What", " is", " 2+3", "?", "2", "+3", "=", "5", "6", " so", " ####", " 5", " 6", "<eos>", " ok"]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(self.WORDS[int(i)] for i in ids)
+
+
+def log_metrics(path, steps, monkeypatch):
+    """Write a metrics file with verl's own file logger, as trainer.logger=[..., file] does."""
+    from verl.utils.tracking import FileLogger
+
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(path))
+    logger = FileLogger("spo", "test")
+    for step, data in steps:
+        logger.log(data=data, step=step)
+    logger.finish()
+    return path
+
+
+def training_step(score, seconds, total, prompt_mean, response_mean, **extra):
+    return {"critic/score/mean": score, "timing_s/step": seconds, "perf/total_num_tokens": total,
+            "prompt_length/mean": prompt_mean, "response_length/mean": response_mean, "actor/pg_loss": 0.1, **extra}
+
+
+def response(b, row, ids, advantages, trained, score, probs):
+    return SampledResponse(batch_index=b, uid="q1", row=row, prompt_ids=[0, 1, 2, 3, 4], response_ids=ids,
+                           log_probs=torch.tensor(probs).log(), response_mask=torch.ones(len(ids)),
+                           advantages=advantages[: len(ids)], trained=trained[: len(ids)], score=score)
+
+
+# A 2-2 tree: first segments "5" (node 1, wrong) and "2" "+3" (node 2); leaves end with "<eos>".
+TREE_ROWS = [
+    {"tree_id": "t9", "path": [1, 3], "segment_ends": [1, 4], "trains": True, "truncated": False},
+    {"tree_id": "t9", "path": [1, 4], "segment_ends": [1, 3], "trains": True, "truncated": False},
+    {"tree_id": "t9", "path": [2, 5], "segment_ends": [2, 5], "trains": True, "truncated": False},
+    {"tree_id": "t9", "path": [2, 6], "segment_ends": [2, 5], "trains": True, "truncated": False},
+]
+TREE_IDS = [[8, 11, 12, 14], [8, 15, 14], [5, 6, 7, 8, 14], [5, 6, 7, 9, 14]]
+TREE_SCORES = [1.0, 0.0, 1.0, 0.0]
+
+
+def tree_record(step):
+    width = max(len(ids) for ids in TREE_IDS)
+    mask, rewards = torch.zeros(4, width), torch.zeros(4, width)
+    for b, ids in enumerate(TREE_IDS):
+        mask[b, : len(ids)] = 1
+        rewards[b, len(ids) - 1] = TREE_SCORES[b]
+    config = OmegaConf.create({"adv_estimator": "spo_tree", "spo": {}})
+    with provide_spo_rows(TREE_ROWS) as context:
+        advantages, _ = compute_spo_tree_advantage(rewards, mask, index=np.array(["q1"] * 4), config=config)
+    trained = context.trained_mask & mask.bool()
+    probs = [0.5, 0.97, 0.3, 0.99, 0.8]
+    responses = [response(b, TREE_ROWS[b], ids, advantages[b], trained[b], TREE_SCORES[b], probs[: len(ids)])
+                 for b, ids in enumerate(TREE_IDS)]
+    return step_record(step, config, "spo_prob_mask", responses, WordTokenizer(), tree_nodes=context.tree_nodes)
+
+
+def chain_record(step):
+    ids = [5, 6, 7, 8, 11, 12, 14]
+    probs = [0.95, 0.4, 0.99, 0.3, 0.97, 0.99, 0.9]
+    row = {"segment_starts": [1, 3], "boundary_values": [0.25, 0.75], "truncated": False}
+    rewards = torch.zeros(1, len(ids))
+    rewards[0, -1] = 1.0
+    config = OmegaConf.create({"adv_estimator": "spo_chain", "spo": {}})
+    with provide_spo_rows([row]):
+        advantages, _ = compute_spo_chain_advantage(rewards, torch.ones(1, len(ids)), index=np.array(["q1"]), config=config)
+    chosen = response(0, row, ids, advantages[0], torch.ones(len(ids), dtype=torch.bool), 1.0, probs)
+    return step_record(step, config, "spo_prob_mask", [chosen], WordTokenizer())
+
+
+def grpo_record(step):
+    ids = [5, 6, 7, 9, 14]
+    config = OmegaConf.create({"adv_estimator": "grpo", "spo": {}})
+    chosen = response(0, None, ids, torch.full((5,), -0.7), torch.ones(5, dtype=torch.bool), 0.0, [0.6, 0.95, 0.99, 0.5, 0.9])
+    return step_record(step, config, "spo_prob_mask", [chosen], WordTokenizer())
+
+
+@pytest.fixture(scope="module")
+def recorded_runs(tmp_path_factory):
+    """Three recorded runs (spo_tree, spo_chain, grpo_prob_mask) of 4 steps, validated at 0, 2 and 4."""
+    root = tmp_path_factory.mktemp("runs")
+    monkeypatch = pytest.MonkeyPatch()
+    runs = {}
+    tree_steps = [(0, {ACCURACY: 0.10})]
+    chain_steps = [(0, {ACCURACY: 0.10})]
+    grpo_steps = [(0, {ACCURACY: 0.10})]
+    for step in range(1, 5):
+        validation = {ACCURACY: 0.1 + 0.1 * step} if step % 2 == 0 else {}
+        tree_steps.append((step, training_step(0.3 + 0.1 * step, 10.0, 900, 10.0, 5.0,
+                                               **{"spo/tree/generated_tokens": 100.0 + step, **validation})))
+        chain_steps.append((step, training_step(0.25 + 0.1 * step, 20.0, 1000, 10.0, 15.0,
+                                                **{"spo/chain/mc_tokens": 400.0, **validation})))
+        grpo_steps.append((step, training_step(0.2 + 0.05 * step, 5.0, 1000, 10.0, 15.0,
+                                               **({ACCURACY: 0.1 + 0.05 * step} if step % 2 == 0 else {}))))
+    for label, steps, record in (("SPO-tree", tree_steps, tree_record), ("SPO-chain", chain_steps, chain_record),
+                                 ("GRPO+mask", grpo_steps, grpo_record)):
+        folder = root / label
+        folder.mkdir()
+        metrics = log_metrics(folder / "metrics.jsonl", steps, monkeypatch)
+        for step in range(1, 5):
+            append_record(folder, record(step))
+        runs[label] = (metrics, folder / SAMPLES_FILE)
+    monkeypatch.undo()
+    output = root / "report"
+    arguments = [argument for label, (metrics, samples) in runs.items() for argument in ("--run", f"{label}={metrics},{samples}")]
+    result = subprocess.run([sys.executable, "-m", "spo_verl.report", *arguments, "--output", str(output),
+                             "--title", "SPO on a recorded run"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return output
+
+
+def test_generated_tokens_prefer_the_runs_own_count():
+    from spo_verl.report.runs import generated_tokens
+
+    step = training_step(0.5, 1.0, 1000, 10.0, 15.0)
+    assert generated_tokens(step) == 600  # 1000 / (10 + 15) = 40 rows of 15 response tokens
+    assert generated_tokens({**step, "spo/chain/mc_tokens": 50.0}) == 650
+    assert generated_tokens({**step, "spo/tree/generated_tokens": 321.0}) == 321
+    assert generated_tokens({**step, "spo/tree/generated_tokens": 321.0, "spo/generated_tokens": 300.0}) == 300
+    assert generated_tokens({"critic/score/mean": 0.5}) is None
+
+
+def test_every_plot_and_table_is_written(recorded_runs):
+    for name in OUTPUTS:
+        assert (recorded_runs / name).stat().st_size > 0, name
+    for name in OUTPUTS[:4]:
+        with Image.open(recorded_runs / name) as image:
+            assert image.format == "PNG" and image.size[0] >= 600 and image.size[1] >= 400
+            image.verify()
+
+
+def test_results_csv_has_one_row_per_run_and_step_with_the_recorded_numbers(recorded_runs):
+    with (recorded_runs / "results.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert [(r["run"], int(r["step"])) for r in rows] == [(run, step) for run in ("SPO-tree", "SPO-chain", "GRPO+mask")
+                                                          for step in range(5)]
+    by_key = {(r["run"], int(r["step"])): r for r in rows}
+    tree, chain, grpo = by_key[("SPO-tree", 3)], by_key[("SPO-chain", 3)], by_key[("GRPO+mask", 3)]
+    assert float(tree["generated_tokens"]) == 103 and float(tree["cumulative_generated_tokens"]) == 101 + 102 + 103
+    # Response tokens = rows x response_length/mean, rows = 1000 / (10 + 15) = 40; SPO-chain adds its MC tokens.
+    assert float(grpo["generated_tokens"]) == 600 and float(chain["generated_tokens"]) == 1000
+    assert float(grpo["cumulative_generated_tokens"]) == 1800
+    assert float(tree["training_reward"]) == pytest.approx(0.6) and tree["heldout_accuracy"] == ""
+    assert float(by_key[("SPO-tree", 4)]["heldout_accuracy"]) == pytest.approx(0.5)
+    assert float(by_key[("SPO-tree", 0)]["heldout_accuracy"]) == pytest.approx(0.1)
+    assert by_key[("SPO-tree", 0)]["training_reward"] == "" and float(by_key[("SPO-tree", 0)]["cumulative_generated_tokens"]) == 0
+    assert float(chain["wall_time_s"]) == 20 and float(chain["cumulative_wall_time_s"]) == 60
+    with (recorded_runs / "summary.csv").open() as handle:
+        summary = {r["run"]: r for r in csv.DictReader(handle)}
+    assert float(summary["SPO-tree"]["final_heldout_accuracy"]) == pytest.approx(0.5)
+    assert float(summary["GRPO+mask"]["best_heldout_accuracy"]) == pytest.approx(0.3)
+    assert float(summary["SPO-chain"]["total_generated_tokens"]) == 4000
+    assert summary["SPO-tree"]["algorithm"] == "spo_tree" and summary["SPO-tree"]["accuracy_metric"] == ACCURACY
+    assert summary["GRPO+mask"]["algorithm"] == "grpo_prob_mask"  # grpo with the spo_prob_mask loss
+
+
+def test_the_page_is_self_contained_and_shows_the_segments_and_the_tree(recorded_runs):
+    page = (recorded_runs / "report.html").read_text()
+    assert "http://" not in page and "https://" not in page and "<script" not in page
+    assert page.count("data:image/png;base64,") == 4
+    # The tree of the last step: V and A of its nodes (root, nodes 1 and 2: V 0.5, A 0; leaves A +-0.5),
+    # the leaves' rewards, and every node's segment text.
+    tree = tree_record(4)["tree"]
+    values = {n["id"]: n["value"] for n in tree["nodes"]}
+    assert values == pytest.approx({"root": 0.5, "1": 0.5, "2": 0.5, "3": 1.0, "4": 0.0, "5": 1.0, "6": 0.0})
+    assert "<svg class='spo-tree'" in page and page.count("<g class='node'") == 7
+    assert "V 0.500" in page and "A +0.500" in page and "A -0.500" in page and "R 1" in page
+    for text in (">5</text>", ">2+3</text>", "> #### 5&lt;eos&gt;</text>", "> ok&lt;eos&gt;</text>", ">=5&lt;eos&gt;</text>",
+                 ">=6&lt;eos&gt;</text>"):
+        assert text in page, text
+    # The responses with their segments: every token of the chain response, its two cutpoints.
+    chain = chain_record(4)["responses"][0]
+    assert all(f">{token.replace('<', '&lt;').replace('>', '&gt;')}</span>" in page for token in chain["tokens"])
+    assert "cutpoints (first token of each cut segment): &#x27;+3&#x27; (p=0.40), &#x27;5&#x27; (p=0.30)" in page
+    assert page.count("class='seg cut'") >= 2 and "class='tok masked'" in page
+
+
+def _chromium_or_skip():
+    if os.path.exists(CHROMIUM):
+        return CHROMIUM
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"{CHROMIUM} is missing: CI must install Debian's chromium for the report check")
+    pytest.skip(f"{CHROMIUM} is not installed (this check fails instead of skipping under CI=true)")
+
+
+def test_a_headless_browser_renders_a_non_blank_page(recorded_runs, tmp_path):
+    chromium = _chromium_or_skip()
+    screenshot = recorded_runs / "report_screenshot.png"
+    result = subprocess.run(
+        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         "--disable-dev-shm-usage", f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={screenshot}",
+         "--window-size=1200,2000", "--hide-scrollbars", (recorded_runs / "report.html").as_uri()],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert result.returncode == 0 and screenshot.exists(), result.stderr[-3000:]
+    with Image.open(screenshot) as image:
+        pixels = np.asarray(image.convert("RGB")).astype(int)
+    assert pixels.shape[:2] == (2000, 1200)
+    non_white = (pixels.min(axis=2) < 235).mean()
+    assert non_white > 0.03, f"only {non_white:.1%} of the screenshot is not white"
+    # The plots' coloured lines and the segments' green/red backgrounds reached the screen.
+    red, green, blue = pixels[..., 0], pixels[..., 1], pixels[..., 2]
+    greenish = ((green - red > 40) & (green - blue > 40)).mean()
+    assert greenish > 0.0005, f"no green (positive-advantage) area on screen: {greenish:.4%}"
