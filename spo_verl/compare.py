@@ -106,6 +106,7 @@ def run_algorithm(algorithm: str, mode: Mode, output_dir: Path, extra_args: list
         "bash", str(REPO / "scripts" / "spo_launch.sh"),
         f"algorithm.spo.generated_token_budget={mode.generated_token_budget}",
         f"algorithm.spo.sample_log.dir={run_dir}",
+        "trainer.val_before_train=true",  # the base model's held-out accuracy, logged as step 0
         *extra_args,
     ]
     print(f"compare: {algorithm}: training (console: {run_dir / 'console.log'})", flush=True)

@@ -2,7 +2,9 @@
 user starts them (``scripts/run_*.sh``, which run the recipe's entry point ``recipe.spo.main_spo``):
 verl's TaskRunner and Ray worker groups, the FSDP2 engine training on gloo, verl's vLLM server on
 vLLM's CPU backend, verl's GSM8K reward, the SPO advantage step and loss, and verl's actor -> vLLM
-weight sync, on the embedded ``cpu-tiny`` default (spo_verl/cpu_default.py).
+weight sync, on the tiny ``cpu-tiny`` setting (spo_verl/cpu_default.py). The README's command, with
+no settings, trains the CPU default (``cpu-smollm2``: SmolLM2-135M, whose tied head must sync into
+vLLM), and ``scripts/compare_on_cpu.sh`` is run as a user runs it, report included.
 
 Every (trainer, algorithm) run trains 2 steps, validates and checkpoints at step 2, then a second
 run resumes from that checkpoint and trains step 3. The runs start verl and vLLM from scratch
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import os
 import subprocess
 import time
@@ -96,7 +99,7 @@ def _run_case(case_id: str, script: str, algorithm: str | None, overrides: list[
     work.mkdir(parents=True)
     env = {**os.environ, "SPO_CPU_CACHE": str(cache), "CHECKPOINT_DIR": str(work / "checkpoints"),
            "TENSORBOARD_DIR": str(work / "tensorboard"), "EXPERIMENT_NAME": case_id}
-    env.pop("SETTING", None)  # no GPU here: the scripts must pick cpu-tiny themselves
+    env["SETTING"] = "cpu-tiny"  # the tiny model: these runs check verl's paths, not learning
     if algorithm:
         env["ALGORITHM"] = algorithm
     first = _launch(script, {**env, "TOTAL_TRAINING_STEPS": "2", "SAVE_FREQ": "2", "TEST_FREQ": "2"},
@@ -108,31 +111,49 @@ def _run_case(case_id: str, script: str, algorithm: str | None, overrides: list[
     return Case(first, resumed, work / "checkpoints")
 
 
-def _run_readme_command(work: Path) -> Run:
-    """``bash scripts/run_spo_tree.sh`` with no settings at all, as the README shows it."""
+def _run_readme_command(work: Path, smollm2_folder: Path) -> Run:
+    """``bash scripts/run_spo_tree.sh`` with no settings, as the README shows it: on a machine without a
+    GPU it must pick the CPU default (SmolLM2) itself. Only the model cache is the tests' own."""
     work.mkdir(parents=True)
     env = {k: v for k, v in os.environ.items() if k not in ("SETTING", "ALGORITHM", "VERL_FILE_LOGGER_PATH")}
+    env["SPO_SMOLLM2_CACHE"] = str(smollm2_folder)
     started = time.perf_counter()
     log = work / "readme.log"
     with open(log, "w") as out:
         process = subprocess.run(["bash", "scripts/run_spo_tree.sh"], cwd=REPO, env=env, stdout=out,
                                  stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S)
-    return Run(process.returncode, log, Path(), time.perf_counter() - started)
+    metrics = re.search(r"^spo: logs -> .* and (\S+); checkpoints", log.read_text(), re.MULTILINE)
+    return Run(process.returncode, log, REPO / metrics.group(1) if metrics else Path(), time.perf_counter() - started)
+
+
+def _run_compare(work: Path, cache: Path) -> Run:
+    """``scripts/compare_on_cpu.sh`` (quick mode, one algorithm) as a user runs it, report included."""
+    env = {k: v for k, v in os.environ.items() if k not in ("SETTING", "ALGORITHM", "VERL_FILE_LOGGER_PATH")}
+    env["SPO_CPU_CACHE"] = str(cache)
+    started = time.perf_counter()
+    log = work.parent / "compare.log"
+    with open(log, "w") as out:
+        process = subprocess.run(
+            ["bash", "scripts/compare_on_cpu.sh", "--mode", "quick", "--algorithms", "spo_tree", "--output-dir", str(work)],
+            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S)
+    return Run(process.returncode, log, work / "spo_tree" / "metrics.jsonl", time.perf_counter() - started)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, smollm2_cache):
     work = tmp_path_factory.mktemp("e2e")
     cache = work / "cpu-tiny"
     cpu_default.build(cache)  # once, before the runs that share it
     with ThreadPoolExecutor(max_workers=PARALLEL_RUNS) as pool:
-        readme = pool.submit(_run_readme_command, work / "readme")
+        compare = pool.submit(_run_compare, work / "compare", cache)
+        readme = pool.submit(_run_readme_command, work / "readme", smollm2_cache["folder"])
         futures = {
             case_id: pool.submit(_run_case, case_id, script, algorithm, overrides, first_only, cache, work / case_id)
             for case_id, script, algorithm, overrides, first_only in CASES
         }
         results = {case_id: future.result() for case_id, future in futures.items()}
         results["readme"] = readme.result()
+        results["compare"] = compare.result()
     summary = {k: round(v.first.seconds if isinstance(v, Case) else v.seconds) for k, v in results.items()}
     print(f"end-to-end run seconds: {json.dumps(summary)}")
     return results
@@ -211,13 +232,41 @@ def test_trains_validates_checkpoints_and_resumes(runs, case_id):
     assert sorted(case.resumed.steps()) == [3]
 
 
-def test_readme_run_script_trains_on_cpu(runs):
+def test_readme_run_script_trains_the_real_model_on_cpu(runs):
     run: Run = runs["readme"]
     assert run.returncode == 0, run.failure()
     log = run.log.read_text()
-    assert "no GPU visible: training the embedded CPU default" in log
-    assert "checkpoints -> checkpoints/spo/cpu-tiny-spo_tree" in log
+    assert "no GPU visible: training the CPU default (SETTING=cpu-smollm2" in log
+    assert "checkpoints -> checkpoints/spo/cpu-smollm2-spo_tree" in log
     # The summary the script ends with: a header and one line per step (4 steps by default).
     summary = [line for line in log.splitlines() if line.startswith("spo: ")]
     header = next(i for i, line in enumerate(summary) if line.split()[1:3] == ["step", "score"])
     assert [line.split()[1] for line in summary[header + 1 :]] == ["1", "2", "3", "4"]
+    steps = run.steps()
+    assert sorted(steps) == [1, 2, 3, 4]
+    for step, data in steps.items():
+        assert _finite(data.get("actor/pg_loss")) and _finite(data.get("actor/grad_norm")), step
+        # SmolLM2's output head is its input embedding: after each update and sync into vLLM, vLLM's
+        # probabilities of the sampled tokens are the actor's (a stale tied head would be far off).
+        assert data["training/rollout_probs_diff_max"] < SYNC_BOUND, (step, data["training/rollout_probs_diff_max"])
+        assert data["spo/tree/trees"] == 4 and data["spo/generated_tokens"] == data["spo/tree/generated_tokens"] > 0
+    assert "val-core/openai/gsm8k/acc/mean@1" in steps[2] and "val-core/openai/gsm8k/acc/mean@1" in steps[4]
+
+
+def test_compare_script_trains_reports_and_prints_a_line_per_step(runs):
+    run: Run = runs["compare"]
+    assert run.returncode == 0, run.failure()
+    log = run.log.read_text()
+    steps = run.steps()
+    assert steps, "no step logged"
+    # The quick mode's budget ends the run before its step bound, at the step expected to reach it.
+    last = steps[max(steps)]
+    assert last["spo/generated_tokens_cumulative"] >= 500 or max(steps) == 3
+    progress = [line for line in log.splitlines() if line.startswith("compare: spo_tree")]
+    assert len(progress) == len(steps) and all("generated" in line and "reward" in line for line in progress)
+    report = run.metrics.parents[1] / "report"
+    for name in ("accuracy_vs_step.png", "accuracy_vs_generated_tokens.png", "reward_vs_step.png",
+                 "reward_vs_generated_tokens.png", "results.csv", "summary.csv", "report.html"):
+        assert (report / name).stat().st_size > 0, name
+    page = (report / "report.html").read_text()
+    assert "<svg" in page and "SPO tree" in page and "data:image/png;base64," in page
