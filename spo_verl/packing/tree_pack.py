@@ -1,0 +1,314 @@
+"""Pack SPO trees (given as per-leaf rows) into one sequence of unique tokens (issue #11).
+
+verl trains each leaf of an SPO tree as its own row: prompt + every segment on the leaf's path. A
+segment shared by ``k`` leaves is therefore forwarded and back-propagated ``k`` times. Here the rows
+of a tree are folded back into the tree: the prompt once, then each node's segment once, parents
+before children (depth-first, children in order of first appearance in the rows). Each packed token
+keeps as position id its position on its own root-to-token path, so with attention restricted to
+ancestors (:mod:`spo_verl.packing.cascade_attention`) every packed token sees exactly the context it
+has in any row that contains it, and its hidden state equals that row's hidden state.
+
+What a :class:`PackedTree` holds, besides the packed tokens and position ids:
+
+* per node (prompts are the depth-0 nodes, one per tree): its span in the packed sequence, parent,
+  depth, tree and its root-to-node ancestor chain (:attr:`PackedTree.node_ancestors`);
+* per packed token: the packed position of the token before it on its path
+  (:attr:`PackedTree.previous_position`), which is where its log-prob is predicted from -- the last
+  token of a node is followed by a different token in each child, so "next token" is not a property
+  of a packed position, while "previous token" is;
+* per leaf row: the packed position of each of its (prompt + response) positions
+  (:attr:`PackedTree.row_index`) and of each response token (:attr:`PackedTree.response_index`), so
+  anything computed per packed token (log-probs, hidden states) is gathered back into the per-row
+  layout exactly.
+
+Padding rows (tree id / path ``None``) own no tokens; tokens of a row's response beyond its last
+segment end are padding and are ignored; a node that is a leaf above the last depth (early EOS) is
+just a node without children. Pure Python + torch; no verl import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["PackedTree", "pack_tree", "pack_forest"]
+
+
+@dataclass(frozen=True)
+class PackedTree:
+    """One packed sequence of unique tokens for one tree or a forest (trees one after the other;
+    a tree's nodes never attend to another tree's, so each tree is its own unit within it).
+
+    Node ``k`` covers packed positions ``node_starts[k] : node_starts[k] + node_lengths[k]``. Row
+    tensors are ``-1`` where the row has no token (padding rows, past the row's length)."""
+
+    input_ids: torch.Tensor  # (N,) int64 unique tokens
+    position_ids: torch.Tensor  # (N,) int64 position on the token's own root-to-token path
+    previous_position: torch.Tensor  # (N,) int64 packed position of the previous token on the path (-1: none)
+    node_of_token: torch.Tensor  # (N,) int64 node holding each packed token
+    node_starts: torch.Tensor  # (K,) int64
+    node_lengths: torch.Tensor  # (K,) int64, all >= 1
+    node_parents: torch.Tensor  # (K,) int64, -1 for the prompts (roots)
+    node_depths: torch.Tensor  # (K,) int64, prompts are depth 0
+    node_tree: torch.Tensor  # (K,) int64 index of the node's tree (order of first appearance in the rows)
+    node_ancestors: torch.Tensor  # (K, D + 1) int64 root .. node itself, then -1
+    row_tree: torch.Tensor  # (B,) int64 tree index of each row, -1 for padding rows
+    row_prompt_lengths: torch.Tensor  # (B,) int64, 0 for padding rows
+    row_response_lengths: torch.Tensor  # (B,) int64, 0 for padding rows
+    row_index: torch.Tensor  # (B, W) int64 packed position of row position t (prompt then response)
+    response_index: torch.Tensor  # (B, T) int64 packed position of response token t
+    tree_token_spans: torch.Tensor  # (num_trees, 2) int64 [start, stop) of each tree in the packed sequence
+    tree_keys: tuple  # the caller's tree ids, by tree index
+
+    @property
+    def num_packed_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def num_row_tokens(self) -> int:
+        """Tokens the per-leaf rows put through the model (prompt + response of every real row)."""
+        return int((self.row_prompt_lengths + self.row_response_lengths).sum())
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.node_starts.numel())
+
+    @property
+    def num_trees(self) -> int:
+        return int(self.tree_token_spans.shape[0])
+
+    @property
+    def response_width(self) -> int:
+        return int(self.response_index.shape[1])
+
+    def node_path_lengths(self) -> torch.Tensor:
+        """(K,) tokens on each node's root-to-node path, the node's own tokens included (its key length)."""
+        return self.position_ids[self.node_starts] + self.node_lengths
+
+    def ancestors(self, node: int) -> list[int]:
+        """Node indices from the tree's prompt down to ``node`` (inclusive)."""
+        chain = self.node_ancestors[node].tolist()
+        return [a for a in chain if a >= 0]
+
+    def gather_rows(
+        self, packed_values: torch.Tensor, index: torch.Tensor | None = None, fill: float = 0.0
+    ) -> torch.Tensor:
+        """Per-row layout of per-packed-token values (first dim N): ``out[b, t] = packed_values[index[b, t]]``,
+        ``fill`` where ``index`` is -1. ``index`` defaults to :attr:`response_index`. Differentiable."""
+        index = self.response_index if index is None else index
+        index = index.to(packed_values.device)
+        filler = torch.full((1, *packed_values.shape[1:]), fill, dtype=packed_values.dtype, device=packed_values.device)
+        table = torch.cat([filler, packed_values], 0)
+        return table[index + 1]
+
+    def to(self, device) -> "PackedTree":
+        fields = {name: (value.to(device) if isinstance(value, torch.Tensor) else value)
+                  for name, value in self.__dict__.items()}
+        return PackedTree(**fields)
+
+
+def _as_list(values) -> list[int]:
+    if isinstance(values, torch.Tensor):
+        return values.reshape(-1).tolist()
+    return [int(v) for v in values]
+
+
+def pack_tree(
+    prompt_ids: Sequence[int] | torch.Tensor,
+    responses: Sequence[Sequence[int] | torch.Tensor | None] | torch.Tensor,
+    paths: Sequence[Sequence[Hashable] | None],
+    segment_ends: Sequence[Sequence[int] | None],
+    response_width: int | None = None,
+) -> PackedTree:
+    """Pack the leaf rows of one tree. Rows whose path is None are padding rows."""
+    tree_ids = [None if path is None else 0 for path in paths]
+    return pack_forest(tree_ids, [prompt_ids] * len(paths), responses, paths, segment_ends, response_width)
+
+
+def pack_forest(
+    tree_ids: Sequence[Hashable | None],
+    prompt_ids: Sequence[Sequence[int] | torch.Tensor | None],
+    responses: Sequence[Sequence[int] | torch.Tensor | None] | torch.Tensor,
+    paths: Sequence[Sequence[Hashable] | None],
+    segment_ends: Sequence[Sequence[int] | None],
+    response_width: int | None = None,
+) -> PackedTree:
+    """Pack the leaf rows of a batch (several trees) into one :class:`PackedTree`.
+
+    Per row: its tree id (None: a padding row, which owns no token), its prompt token ids (the same
+    for all rows of a tree), its response token ids (anything past the last segment end is padding),
+    its path of node ids (root excluded, as in :mod:`spo_verl.algorithms.tree_rows`) and the end
+    offset of each path node's segment in the response. A node shared by several rows must have the
+    same parent and the same tokens in each (checked). ``response_width`` (default: the longest
+    response) is the width ``T`` of :attr:`PackedTree.response_index`.
+    """
+    batch = len(tree_ids)
+    if not (len(prompt_ids) == len(responses) == len(paths) == len(segment_ends) == batch):
+        raise ValueError("tree_ids, prompt_ids, responses, paths and segment_ends need one entry per row")
+
+    tree_index: dict[Hashable, int] = {}
+    tree_prompts: list[list[int]] = []
+    # Nodes: index -> (tree, parent index, tokens); keyed by (tree, node id). Prompts are nodes too.
+    node_index: dict[tuple, int] = {}
+    node_parent: list[int] = []
+    node_tokens: list[list[int]] = []
+    node_tree: list[int] = []
+    children: list[list[int]] = []
+    row_nodes: list[list[int]] = []
+    row_lengths: list[int] = []
+
+    for row in range(batch):
+        tree_id = tree_ids[row]
+        if tree_id is None:
+            row_nodes.append([])
+            row_lengths.append(0)
+            continue
+        prompt = _as_list(prompt_ids[row])
+        if tree_id not in tree_index:
+            if not prompt:
+                raise ValueError(f"row {row}: tree {tree_id!r} has an empty prompt")
+            tree_index[tree_id] = len(tree_prompts)
+            tree_prompts.append(prompt)
+            node_index[(tree_id, None, "prompt")] = len(node_parent)
+            node_parent.append(-1)
+            node_tokens.append(prompt)
+            node_tree.append(tree_index[tree_id])
+            children.append([])
+        elif prompt != tree_prompts[tree_index[tree_id]]:
+            raise ValueError(f"row {row}: its prompt differs from the prompt of tree {tree_id!r}'s first row")
+        path = list(paths[row]) if paths[row] is not None else []
+        ends = _as_list(segment_ends[row]) if segment_ends[row] is not None else []
+        if not path:
+            raise ValueError(f"row {row} of tree {tree_id!r} has an empty path")
+        if len(ends) != len(path) or any(b <= a for a, b in zip([0] + ends, ends)):
+            raise ValueError(f"row {row}: segment_ends must be {len(path)} increasing positive offsets, got {ends}")
+        response = _as_list(responses[row])
+        if len(response) < ends[-1]:
+            raise ValueError(f"row {row}: the response has {len(response)} tokens, its segments end at {ends[-1]}")
+        current = node_index[(tree_id, None, "prompt")]
+        nodes = []
+        start = 0
+        for node_id, end in zip(path, ends):
+            tokens = response[start:end]
+            key = (tree_id, node_id)
+            index = node_index.get(key)
+            if index is None:
+                index = node_index[key] = len(node_parent)
+                node_parent.append(current)
+                node_tokens.append(tokens)
+                node_tree.append(tree_index[tree_id])
+                children.append([])
+                children[current].append(index)
+            elif node_parent[index] != current:
+                raise ValueError(f"tree {tree_id!r}: node {node_id!r} appears under two different parents")
+            elif node_tokens[index] != tokens:
+                raise ValueError(f"tree {tree_id!r}: node {node_id!r} has different tokens in row {row} than before")
+            nodes.append(index)
+            current = index
+            start = end
+        row_nodes.append(nodes)
+        row_lengths.append(ends[-1])
+
+    width = max(row_lengths, default=0) if response_width is None else int(response_width)
+    if max(row_lengths, default=0) > width:
+        raise ValueError(f"a row has {max(row_lengths)} response tokens, more than response_width={width}")
+
+    # Depth-first order, parents before children, tree after tree; spans and path positions.
+    num_nodes = len(node_parent)
+    order: list[int] = []
+    for prompt_node in [k for k in range(num_nodes) if node_parent[k] == -1]:
+        stack = [prompt_node]
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            stack.extend(reversed(children[node]))
+    new_of = [0] * num_nodes
+    for new, old in enumerate(order):
+        new_of[old] = new
+    parents = [-1 if node_parent[old] < 0 else new_of[node_parent[old]] for old in order]
+    tokens = [node_tokens[old] for old in order]
+    trees = [node_tree[old] for old in order]
+    lengths = [len(t) for t in tokens]
+    starts, depths, offsets = [], [], []  # offsets: path position of the node's first token
+    cursor = 0
+    for k in range(num_nodes):
+        starts.append(cursor)
+        cursor += lengths[k]
+        parent = parents[k]
+        depths.append(0 if parent < 0 else depths[parent] + 1)
+        offsets.append(0 if parent < 0 else offsets[parent] + lengths[parent])
+    total = cursor
+
+    long = dict(dtype=torch.long)
+    node_starts = torch.tensor(starts, **long)
+    node_lengths = torch.tensor(lengths, **long)
+    node_parents = torch.tensor(parents, **long)
+    node_depths = torch.tensor(depths, **long)
+    node_offsets = torch.tensor(offsets, **long)
+    input_ids = torch.tensor([t for node in tokens for t in node], **long)
+    node_of_token = torch.repeat_interleave(torch.arange(num_nodes), node_lengths, output_size=total)
+    within = torch.arange(total) - node_starts[node_of_token]
+    position_ids = node_offsets[node_of_token] + within
+    # Previous token on the path: the one before in the same node, or the parent's last token.
+    previous_position = torch.arange(total) - 1
+    safe_parents = node_parents.clamp(min=0)
+    parent_last = node_starts[safe_parents] + node_lengths[safe_parents] - 1
+    previous_position[node_starts] = torch.where(node_parents >= 0, parent_last, torch.full_like(node_parents, -1))
+
+    max_depth = int(node_depths.max()) if num_nodes else 0
+    ancestors = torch.full((num_nodes, max_depth + 1), -1, **long)
+    current = torch.arange(num_nodes)
+    level = node_depths.clone()
+    for _ in range(max_depth + 1):
+        alive = level >= 0
+        ancestors[alive.nonzero().squeeze(1), level[alive]] = current[alive]
+        current = torch.where(node_parents[current] >= 0, node_parents[current], current)
+        level = level - 1
+
+    tree_spans = torch.zeros(len(tree_prompts), 2, **long)
+    for k in range(num_nodes):
+        if parents[k] < 0:
+            tree_spans[trees[k], 0] = starts[k]
+        tree_spans[trees[k], 1] = max(int(tree_spans[trees[k], 1]), starts[k] + lengths[k])
+
+    # Per-row gather tables.
+    row_tree = torch.full((batch,), -1, **long)
+    prompt_lengths = torch.zeros(batch, **long)
+    response_lengths = torch.tensor(row_lengths, **long)
+    row_width = max((len(tree_prompts[tree_index[tree_ids[b]]]) + row_lengths[b] for b in range(batch)
+                     if tree_ids[b] is not None), default=0)
+    row_index = torch.full((batch, row_width), -1, **long)
+    response_index = torch.full((batch, width), -1, **long)
+    for row in range(batch):
+        if tree_ids[row] is None:
+            continue
+        tree = tree_index[tree_ids[row]]
+        row_tree[row] = tree
+        chain = [int(node_parents[new_of[row_nodes[row][0]]])] + [new_of[n] for n in row_nodes[row]]
+        spans = [torch.arange(starts[k], starts[k] + lengths[k]) for k in chain]
+        prompt_lengths[row] = lengths[chain[0]]
+        flat = torch.cat(spans)
+        row_index[row, : flat.numel()] = flat
+        response_index[row, : row_lengths[row]] = flat[lengths[chain[0]]:]
+
+    return PackedTree(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        previous_position=previous_position,
+        node_of_token=node_of_token,
+        node_starts=node_starts,
+        node_lengths=node_lengths,
+        node_parents=node_parents,
+        node_depths=node_depths,
+        node_tree=torch.tensor(trees, **long),
+        node_ancestors=ancestors,
+        row_tree=row_tree,
+        row_prompt_lengths=prompt_lengths,
+        row_response_lengths=response_lengths,
+        row_index=row_index,
+        response_index=response_index,
+        tree_token_spans=tree_spans,
+        tree_keys=tuple(tree_index),
+    )

@@ -1,0 +1,434 @@
+"""Packed SPO trees (issue #11): one forward per tree is exact against the per-leaf rows.
+
+A tiny random Qwen2 (GQA: 4 query heads, 2 KV heads) runs once over the packed tree with the cascade
+attention and once per leaf row (sdpa, the rows' own causal mask). In float64 the per-row response
+log-probs agree to 1e-12 and the parameter gradients of sum(log-prob * weight) agree to 1e-10, both
+when every token is trained once (SPO's trained-segment mask from ``tree_token_advantages``) and when
+every row's tokens all count (the packed token then collects the weights of all rows through it).
+
+float64 needs one patch, applied by the ``exact_rmsnorm`` fixture: transformers 5.10.4's Qwen2RMSNorm
+computes in float32 whatever the input dtype (and eager attention's softmax too, which is why the row
+reference uses sdpa). The rounding to float32 is the same op in both paths, so the forward log-probs
+still agree to ~1e-15, but the gradients then differ at the float32 level (~1e-7 relative, ~4e-6
+absolute: a shared token's gradient is rounded to float32 once as a sum instead of per row; see
+:func:`test_float64_gradients_without_rmsnorm_patch_are_float32_close`). With the norm computed in the
+input dtype both agree to ~1e-14. float32 (unpatched model): log-probs within 1e-5 (measured ~2e-6),
+gradients within 1e-5 relative to the largest gradient (measured ~6e-7).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers.models.qwen2 import modeling_qwen2
+
+from spo_verl.algorithms.tree_rows import tree_token_advantages
+from spo_verl.packing import (
+    build_cascade_layout,
+    pack_forest,
+    pack_tree,
+    packed_row_log_probs,
+)
+from spo_verl.packing import cascade_attention as cascade_module
+
+VOCAB = 61
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def exact_rmsnorm(monkeypatch):
+    """Qwen2RMSNorm in the input dtype (transformers 5.10.4 always computes it in float32)."""
+
+    def forward(self, hidden_states):
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+    monkeypatch.setattr(modeling_qwen2.Qwen2RMSNorm, "forward", forward)
+
+
+def tiny_model(dtype=torch.float64, seed=0) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, attn_implementation="sdpa",
+    )
+    model = Qwen2ForCausalLM(config).to(dtype)
+    model.eval()  # no dropout; gradients still flow
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------
+# Random trees as per-leaf rows
+
+
+class Tree:
+    """A random tree given as leaf rows in slot order: prompt, rows (response, path, segment ends)."""
+
+    def __init__(self, rng, branching, seg_len, prompt_len=5, early_stop=(), first_id=100):
+        self.prompt = [rng.randrange(VOCAB) for _ in range(prompt_len)]
+        self.segments: dict[int, list[int]] = {}
+        self.responses, self.paths, self.ends = [], [], []
+        next_id = [first_id]
+
+        def expand(depth, where, path, ends, tokens):
+            for child in range(branching[depth]):
+                node_id = next_id[0]
+                next_id[0] += 3  # ids are arbitrary labels, not indices
+                segment = [rng.randrange(VOCAB) for _ in range(seg_len(depth, rng))]
+                self.segments[node_id] = segment
+                here = where + (child,)
+                new_path, new_ends = path + [node_id], ends + [(ends[-1] if ends else 0) + len(segment)]
+                if depth + 1 == len(branching) or here in early_stop:
+                    self.responses.append(tokens + segment)
+                    self.paths.append(new_path)
+                    self.ends.append(new_ends)
+                else:
+                    expand(depth + 1, here, new_path, new_ends, tokens + segment)
+
+        expand(0, (), [], [], [])
+
+    @property
+    def unique_tokens(self) -> int:
+        return len(self.prompt) + sum(len(s) for s in self.segments.values())
+
+
+def padded(responses, rng, extra=3):
+    """Each response followed by a few random padding tokens (beyond the row's length)."""
+    return [None if r is None else r + [rng.randrange(VOCAB) for _ in range(extra)] for r in responses]
+
+
+def tree_2_2(rng):
+    return Tree(rng, (2, 2), lambda d, r: 3 + d)
+
+
+def tree_3_3_early(rng):
+    return Tree(rng, (3, 3), lambda d, r: r.randint(2, 5), early_stop={(0,), (2,)})
+
+
+def tree_2_2_2(rng):
+    return Tree(rng, (2, 2, 2), lambda d, r: r.randint(1, 6))
+
+
+def tree_one_leaf(rng):
+    return Tree(rng, (1,), lambda d, r: 7)
+
+
+TREES = {"2-2": tree_2_2, "3-3 early EOS": tree_3_3_early, "2-2-2 variable": tree_2_2_2, "one leaf": tree_one_leaf}
+
+
+def with_padding_rows(tree: Tree, rng, pads=(1, 3)):
+    """Rows of ``tree`` with padding rows (None) inserted at ``pads``."""
+    responses, paths, ends = list(tree.responses), list(tree.paths), list(tree.ends)
+    for position in pads:
+        position = min(position, len(responses))
+        responses.insert(position, None)
+        paths.insert(position, None)
+        ends.insert(position, None)
+    return padded(responses, rng), paths, ends
+
+
+# ---------------------------------------------------------------------------------------------------
+# Per-row reference
+
+
+def row_log_probs(model, prompts, responses, ends, width, temperature=1.0):
+    """(B, width) response log-probs, one sdpa forward per real row."""
+    dtype = next(model.parameters()).dtype
+    out = torch.zeros(len(responses), width, dtype=torch.promote_types(dtype, torch.float32))
+    rows = []
+    for b, (prompt, response, row_ends) in enumerate(zip(prompts, responses, ends)):
+        if response is None:
+            continue
+        length = row_ends[-1]
+        ids = torch.tensor([list(prompt) + list(response[:length])])
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1] / temperature
+        lp = torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt) :, None]).squeeze(1)
+        rows.append((b, length, lp))
+    if rows:
+        index = torch.zeros(len(responses), width, dtype=torch.long)
+        flat = torch.cat([lp for _, _, lp in rows])
+        offset = 1
+        for b, length, _ in rows:
+            index[b, :length] = torch.arange(offset, offset + length)
+            offset += length
+        out = torch.cat([flat.new_zeros(1), flat])[index]
+    return out
+
+
+def param_grads(model, loss):
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def grad_diff_of(model, packed_lp, rows_lp, weights):
+    """Max |gradient difference| of sum(log-prob * weights), packed vs rows, and the max |gradient|."""
+    return max_grad_diff(param_grads(model, (packed_lp * weights).sum()), param_grads(model, (rows_lp * weights).sum()))
+
+
+def max_grad_diff(a, b):
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a), max(a[k].abs().max().item() for k in a)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Packing structure
+
+
+@pytest.mark.parametrize("name", list(TREES))
+def test_pack_counts_positions_and_gather(name):
+    rng = random.Random(sum(map(ord, name)))
+    tree = TREES[name](rng)
+    responses, paths, ends = with_padding_rows(tree, rng)
+    packed = pack_tree(tree.prompt, responses, paths, ends)
+    assert packed.num_packed_tokens == tree.unique_tokens  # each unique token exactly once
+    assert packed.num_nodes == 1 + len(tree.segments)
+    assert packed.num_row_tokens == sum(len(tree.prompt) + e[-1] for e in tree.ends)
+    assert packed.response_width == max(e[-1] for e in tree.ends)
+    # Parents precede children; every token's position id is its position on its own path.
+    parents = packed.node_parents
+    assert all(int(parents[k]) < k for k in range(1, packed.num_nodes))
+    for b, (response, path, row_ends) in enumerate(zip(responses, paths, ends)):
+        if path is None:
+            assert packed.row_tree[b] == -1
+            assert (packed.row_index[b] == -1).all() and (packed.response_index[b] == -1).all()
+            continue
+        row = tree.prompt + response[: row_ends[-1]]
+        index = packed.row_index[b, : len(row)]
+        assert packed.input_ids[index].tolist() == row
+        assert packed.position_ids[index].tolist() == list(range(len(row)))
+        assert (packed.row_index[b, len(row) :] == -1).all()
+        assert packed.response_index[b, : row_ends[-1]].tolist() == index[len(tree.prompt) :].tolist()
+        assert (packed.response_index[b, row_ends[-1] :] == -1).all()
+        # The previous token on the path is the previous row position.
+        assert packed.previous_position[index[1:]].tolist() == index[:-1].tolist()
+        # The leaf's ancestor chain is the row's path.
+        leaf = int(packed.node_of_token[index[-1]])
+        assert len(packed.ancestors(leaf)) == len(path) + 1
+    gathered = packed.gather_rows(packed.input_ids, fill=-7)
+    for b, (response, row_ends) in enumerate(zip(responses, ends)):
+        expected = [-7] * packed.response_width if response is None else (
+            response[: row_ends[-1]] + [-7] * (packed.response_width - row_ends[-1]))
+        assert gathered[b].tolist() == expected
+
+
+def test_pack_rejects_inconsistent_rows():
+    prompt = [1, 2, 3]
+    with pytest.raises(ValueError, match="different tokens"):
+        pack_tree(prompt, [[4, 5, 6], [4, 9, 7]], [[1, 2], [1, 3]], [[2, 3], [2, 3]])
+    with pytest.raises(ValueError, match="two different parents"):
+        pack_tree(prompt, [[4, 5], [6, 5]], [[1, 2], [3, 2]], [[1, 2], [1, 2]])
+    with pytest.raises(ValueError, match="prompt differs"):
+        pack_forest(["t", "t"], [[1], [2]], [[3], [4]], [[1], [2]], [[1], [1]])
+    with pytest.raises(ValueError, match="increasing"):
+        pack_tree(prompt, [[4, 5]], [[1, 2]], [[2, 2]])
+
+
+def test_only_padding_rows():
+    packed = pack_forest([None, None], [None, None], [None, None], [None, None], [None, None], response_width=4)
+    assert packed.num_packed_tokens == 0 and packed.num_row_tokens == 0
+    lp = packed_row_log_probs(tiny_model(torch.float32), packed)
+    assert lp.shape == (2, 4) and (lp == 0).all()
+
+
+def test_forest_packs_each_tree_as_its_own_unit():
+    rng = random.Random(5)
+    trees = [tree_2_2(rng), tree_3_3_early(rng), tree_one_leaf(rng)]
+    tree_ids, prompts, responses, paths, ends = [], [], [], [], []
+    for t, tree in enumerate(trees):
+        for response, path, row_ends in zip(tree.responses, tree.paths, tree.ends):
+            tree_ids.append(f"tree-{t}")
+            prompts.append(tree.prompt)
+            responses.append(response)
+            paths.append(path)  # node ids repeat across trees on purpose: keys are (tree, node)
+            ends.append(row_ends)
+        tree_ids.append(None)
+        prompts.append(None)
+        responses.append(None)
+        paths.append(None)
+        ends.append(None)
+    order = list(range(len(tree_ids)))
+    rng.shuffle(order)  # rows of different trees interleaved
+    pick = lambda xs: [xs[i] for i in order]  # noqa: E731
+    packed = pack_forest(pick(tree_ids), pick(prompts), padded(pick(responses), rng), pick(paths), pick(ends))
+    assert packed.num_trees == 3
+    assert packed.num_packed_tokens == sum(tree.unique_tokens for tree in trees)
+    spans = packed.tree_token_spans.tolist()
+    assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    assert spans[-1][1] == packed.num_packed_tokens
+    # Every node lies inside its tree's span, so no node attends across trees.
+    for k in range(packed.num_nodes):
+        start, stop = spans[int(packed.node_tree[k])]
+        assert start <= int(packed.node_starts[k]) < stop
+        assert all(int(packed.node_tree[a]) == int(packed.node_tree[k]) for a in packed.ancestors(k))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Exactness of the packed forward
+
+
+def _rows_for(name, seed):
+    rng = random.Random(seed)
+    tree = TREES[name](rng)
+    responses, paths, ends = with_padding_rows(tree, rng)
+    return tree, responses, paths, ends
+
+
+@pytest.mark.parametrize("name", list(TREES))
+def test_packed_log_probs_and_gradients_match_rows_float64(name, exact_rmsnorm):
+    model = tiny_model(torch.float64)
+    tree, responses, paths, ends = _rows_for(name, 11)
+    packed = pack_tree(tree.prompt, responses, paths, ends)
+    prompts = [tree.prompt] * len(responses)
+    packed_lp = packed_row_log_probs(model, packed, chunk_tokens=7)  # several chunks
+    rows_lp = row_log_probs(model, prompts, responses, ends, packed.response_width)
+    assert packed_lp.shape == rows_lp.shape
+    assert (packed_lp - rows_lp).abs().max().item() < 1e-12
+    valid = packed.response_index >= 0
+    assert (packed_lp[~valid] == 0).all()
+
+    # (a) SPO's trained mask: every segment trained by exactly one row.
+    rewards = torch.tensor([float(b % 3) for b in range(len(responses))], dtype=torch.float64)
+    result = tree_token_advantages([None if p is None else "t" for p in paths], paths, ends, rewards, valid.long(),
+                                   drop_zero_advantage=False)
+    trained = result.trained_mask
+    assert int(trained.sum()) == tree.unique_tokens - len(tree.prompt)
+    generator = torch.Generator().manual_seed(3)
+    weights_once = torch.randn(valid.shape, generator=generator, dtype=torch.float64) * trained
+    # (b) every row's tokens count (shared tokens collect the weights of all rows through them).
+    weights_all = torch.randn(valid.shape, generator=generator, dtype=torch.float64) * valid
+    for weights in (weights_once, weights_all):
+        packed_grads = param_grads(model, (packed_row_log_probs(model, packed) * weights).sum())
+        rows_again = row_log_probs(model, prompts, responses, ends, packed.response_width)
+        row_grads = param_grads(model, (rows_again * weights).sum())
+        diff, scale = max_grad_diff(packed_grads, row_grads)
+        assert scale > 1e-3
+        assert diff < 1e-10, diff
+
+
+def test_forest_and_temperature_match_rows_float64(exact_rmsnorm):
+    model = tiny_model(torch.float64, seed=1)
+    rng = random.Random(9)
+    trees = [tree_2_2_2(rng), tree_3_3_early(rng), tree_one_leaf(rng)]
+    tree_ids, prompts, responses, paths, ends = [], [], [], [], []
+    for t, tree in enumerate(trees):
+        for response, path, row_ends in zip(tree.responses, tree.paths, tree.ends):
+            tree_ids.append(t)
+            prompts.append(tree.prompt)
+            responses.append(response)
+            paths.append(path)
+            ends.append(row_ends)
+    order = list(range(len(tree_ids))) + [None, None]
+    rng.shuffle(order)
+    pick = lambda xs: [None if i is None else xs[i] for i in order]  # noqa: E731
+    tree_ids, prompts, responses, paths, ends = map(pick, (tree_ids, prompts, responses, paths, ends))
+    responses = padded(responses, rng)
+    packed = pack_forest(tree_ids, prompts, responses, paths, ends, response_width=40)
+    assert packed.response_width == 40
+    packed_lp = packed_row_log_probs(model, packed, temperature=0.7)
+    rows_lp = row_log_probs(model, prompts, responses, ends, 40, temperature=0.7)
+    assert (packed_lp - rows_lp).abs().max().item() < 1e-12
+    weights = torch.randn(packed_lp.shape, dtype=torch.float64) * (packed.response_index >= 0)
+    diff, _ = grad_diff_of(model, packed_lp, rows_lp, weights)
+    assert diff < 1e-10
+
+
+def test_packed_matches_rows_float32():
+    model = tiny_model(torch.float32, seed=2)
+    tree, responses, paths, ends = _rows_for("2-2-2 variable", 21)
+    packed = pack_tree(tree.prompt, responses, paths, ends)
+    prompts = [tree.prompt] * len(responses)
+    packed_lp = packed_row_log_probs(model, packed)
+    rows_lp = row_log_probs(model, prompts, responses, ends, packed.response_width)
+    assert (packed_lp - rows_lp).abs().max().item() < 1e-5
+    weights = torch.randn(packed_lp.shape) * (packed.response_index >= 0)
+    diff, scale = grad_diff_of(model, packed_lp, rows_lp, weights)
+    assert diff < 1e-5 * scale
+
+
+def test_float64_gradients_without_rmsnorm_patch_are_float32_close():
+    """Documents why the float64 tests patch RMSNorm: unpatched, log-probs still agree to ~1e-15, but
+    the gradients only to float32 precision."""
+    model = tiny_model(torch.float64, seed=3)
+    tree, responses, paths, ends = _rows_for("2-2-2 variable", 31)
+    packed = pack_tree(tree.prompt, responses, paths, ends)
+    prompts = [tree.prompt] * len(responses)
+    packed_lp = packed_row_log_probs(model, packed)
+    rows_lp = row_log_probs(model, prompts, responses, ends, packed.response_width)
+    assert (packed_lp - rows_lp).abs().max().item() < 1e-12
+    weights = torch.randn(packed_lp.shape, dtype=torch.float64) * (packed.response_index >= 0)
+    diff, scale = grad_diff_of(model, packed_lp, rows_lp, weights)
+    assert 0 < diff < 1e-6 * scale
+
+
+# ---------------------------------------------------------------------------------------------------
+# Cascade attention: no N x N tensor, GQA, one SDPA call per group per layer
+
+
+def test_cascade_never_builds_a_packed_square(monkeypatch, exact_rmsnorm):
+    model = tiny_model(torch.float64, seed=4)
+    rng = random.Random(13)
+    tree = Tree(rng, (3, 2, 2), lambda d, r: r.randint(2, 6), early_stop={(1,)})
+    packed = pack_tree(tree.prompt, padded(tree.responses, rng), tree.paths, tree.ends)
+    n = packed.num_packed_tokens
+    pairs = {(int(q), int(k)) for q, k in zip(packed.node_lengths, packed.node_path_lengths())}
+    layout = build_cascade_layout(packed)
+    calls = []
+    real_sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kwargs):
+        calls.append((tuple(q.shape), tuple(k.shape), None if attn_mask is None else tuple(attn_mask.shape)))
+        assert (q.shape[-2], k.shape[-2]) in pairs  # one node's queries x that node's path keys
+        assert attn_mask is None or attn_mask.shape == (q.shape[-2], k.shape[-2])
+        assert k.shape[1] == 2 and q.shape[1] == 4 and kwargs.get("enable_gqa")  # GQA without repeating K/V
+        return real_sdpa(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    def no_mask(*args, **kwargs):
+        raise AssertionError("the packed forward must not build a causal mask over the packed sequence")
+
+    monkeypatch.setattr(cascade_module.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(modeling_qwen2, "create_causal_mask", no_mask)
+    lp = packed_row_log_probs(model, packed, layout=layout)
+    lp.sum().backward()
+    assert len(calls) == model.config.num_hidden_layers * len(layout.groups)
+    largest = max(q[0] * q[2] * k[2] for q, k, _ in calls)  # batched scores per call (nodes x q x kv)
+    assert largest < n * n
+    assert max(q[2] * k[2] for q, k, _ in calls) <= max(a * b for a, b in pairs)
+    # Groups cover each node once.
+    assert sorted(int(x) for g in layout.groups for x in g.nodes) == list(range(packed.num_nodes))
+
+
+def test_gradient_checkpointing_replays_the_cascade(exact_rmsnorm):
+    """With gradient checkpointing the layers re-run in backward: the model must be switched to the
+    cascade attention for the whole step (a forward-only switch is refused), and then it is exact."""
+    from spo_verl.packing import CASCADE_ATTENTION, register_cascade_attention
+
+    model = tiny_model(torch.float64, seed=5)
+    tree, responses, paths, ends = _rows_for("3-3 early EOS", 41)
+    packed = pack_tree(tree.prompt, responses, paths, ends)
+    prompts = [tree.prompt] * len(responses)
+    rows_lp = row_log_probs(model, prompts, responses, ends, packed.response_width)
+    weights = torch.randn(rows_lp.shape, dtype=torch.float64) * (packed.response_index >= 0)
+    row_grads = param_grads(model, (rows_lp * weights).sum())
+
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()  # checkpointing is active in training mode only (attention dropout is 0)
+    with pytest.raises(RuntimeError, match="gradient checkpointing"):
+        packed_row_log_probs(model, packed)
+    register_cascade_attention()
+    model.config._attn_implementation = CASCADE_ATTENTION
+    packed_lp = packed_row_log_probs(model, packed)
+    assert (packed_lp - rows_lp).abs().max().item() < 1e-12
+    diff, _ = max_grad_diff(param_grads(model, (packed_lp * weights).sum()), row_grads)
+    assert diff < 1e-10
