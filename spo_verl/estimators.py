@@ -168,13 +168,18 @@ def _check_one_tree_per_uid(index: np.ndarray | None, tree_ids: Sequence) -> Non
         )
 
 
+def _as_list(path: Any) -> list:
+    return path if type(path) is list else list(path)
+
+
 def _tree_fields(rows: Sequence[Mapping | None], index: np.ndarray | None) -> tuple[list, list, list]:
-    """Each row's tree id (its ``tree_id``, else its uid), path (copied) and segment ends; None for
-    skipped rows. A row with no tree id or a missing field raises, from the first such row."""
+    """Each row's tree id (its ``tree_id``, else its uid), path (as a list: the row's own list when it
+    is one, not a copy) and segment ends; None for skipped rows. A row with no tree id or a missing
+    field raises, from the first such row (the row by row reading)."""
     try:
         uids = index if index is not None else itertools.repeat(None)
         tree_ids = [None if row is None else row.get("tree_id", uid) for row, uid in zip(rows, uids)]
-        paths = [None if row is None else list(row["path"]) for row in rows]
+        paths = [None if row is None else _as_list(row["path"]) for row in rows]
         ends = [None if row is None else row["segment_ends"] for row in rows]
         complete = len(tree_ids) == len(rows) and all(
             tree_id is not None for row, tree_id in zip(rows, tree_ids) if row is not None)

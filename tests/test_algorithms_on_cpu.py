@@ -324,3 +324,201 @@ def test_probability_mask():
     assert math.isclose(probability_mask(log_probs, response_mask, 1.0).sum().item(), 5)
     with pytest.raises(ValueError, match="threshold"):
         probability_mask(log_probs, response_mask, 0.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# The vectorised tree rows (numpy forest, chunked token fill) against the former per-row version
+# ------------------------------------------------------------------------------------------------
+
+
+def _former_tree_token_advantages(tree_ids, paths, segment_ends, rewards, response_mask, std_normalize=False,
+                                  drop_zero_advantage=True, max_trained_segments_per_tree=None, generator=None):
+    """tree_token_advantages as it was before the rows were vectorised: the per-row forest, per-row
+    tables, and tokens by scatter/cumsum/gather. Returns what the estimator used (advantages with the
+    untrained tokens zeroed) as a fifth value."""
+    from spo_verl.algorithms.batched import node_depths_batched
+    from spo_verl.algorithms.tree_rows import _build_forest_reference, _sample_per_tree
+
+    batch_size, length = response_mask.shape
+    forest = _build_forest_reference(tree_ids, paths)
+    parents = torch.tensor(forest.parents, dtype=torch.long)
+    width = max((len(nodes) for nodes in forest.row_nodes), default=0)
+    node_rows, end_rows, leaf_rows = [], [], []
+    for row, nodes in enumerate(forest.row_nodes):
+        if not nodes:
+            node_rows.append([-1] * width)
+            end_rows.append([length + 1] * width)
+            continue
+        ends = list(segment_ends[row])
+        if len(ends) != len(nodes) or any(b <= a for a, b in zip([0] + ends, ends)) or ends[-1] > length:
+            raise ValueError(
+                f"row {row}: segment_ends must be {len(nodes)} increasing offsets ending at most at the response "
+                f"length {length}, got {ends}"
+            )
+        padding = width - len(nodes)
+        node_rows.append(nodes + [-1] * padding)
+        end_rows.append(ends + [length + 1] * padding)
+        leaf_rows.append((nodes[-1], row))
+    node_table = torch.tensor(node_rows, dtype=torch.long).reshape(batch_size, width)
+    end_table = torch.tensor(end_rows, dtype=torch.long).reshape(batch_size, width)
+    leaf_rewards = torch.zeros(len(forest.parents), dtype=torch.float64)
+    if leaf_rows:
+        leaves, rows_of_leaves = zip(*leaf_rows)
+        leaf_rewards[list(leaves)] = rewards[list(rows_of_leaves)].double()
+    values = tree_values_batched(parents, leaf_rewards)
+    node_advantages = tree_advantages_batched(parents, values, std_normalize=std_normalize)
+    rows = torch.arange(batch_size)[:, None].expand_as(node_table)
+    present = node_table >= 0
+    owner = torch.full((len(forest.parents),), batch_size, dtype=torch.long)
+    owner.scatter_reduce_(0, node_table[present], rows[present], reduce="amin")
+    trainable = parents >= 0
+    if drop_zero_advantage:
+        trainable &= node_advantages != 0
+    if max_trained_segments_per_tree is not None:
+        trainable &= _sample_per_tree(parents, trainable, max_trained_segments_per_tree, generator)
+    safe_node = node_table.clamp(min=0)
+    piece_advantages = torch.zeros(batch_size, width + 1, dtype=rewards.dtype)
+    piece_advantages[:, :width] = torch.where(present, node_advantages[safe_node], 0.0).to(rewards.dtype)
+    piece_trained = torch.zeros(batch_size, width + 1, dtype=torch.bool)
+    piece_trained[:, :width] = present & (owner[safe_node] == rows) & trainable[safe_node]
+    token_advantages = torch.zeros(batch_size, length, dtype=rewards.dtype)
+    trained = torch.zeros(batch_size, length, dtype=torch.bool)
+    if width and length:
+        marks = torch.zeros(batch_size, length, dtype=torch.long)
+        marks.scatter_add_(1, end_table.clamp(max=length - 1), (present & (end_table < length)).long())
+        piece = torch.cumsum(marks, dim=1)
+        in_response = response_mask.bool()
+        token_advantages = torch.gather(piece_advantages, 1, piece).masked_fill_(~in_response, 0)
+        trained = torch.gather(piece_trained, 1, piece) & in_response
+    estimator = token_advantages.clone().masked_fill_(~trained, 0.0)
+    return token_advantages, trained, values, node_advantages, node_depths_batched(parents), estimator
+
+
+def _random_tree_rows(rng, trees, node_ids="int"):
+    """Leaf rows of random trees, shuffled: branching 1-4, leaves at depths 1-4 (early EOS), one-leaf
+    trees, padding rows (None), node ids sparse, negative or strings, tree ids strings or ints."""
+    rows = []
+    for tree in range(trees):
+        tree_id = f"t{tree}" if tree % 3 else tree * 7
+        counter = iter(rng.sample(range(-50, 10_000), 400))
+        max_depth = rng.randint(1, 4)
+
+        def grow(prefix, depth):
+            if depth == max_depth or (depth and rng.random() < 0.25):
+                rows.append((tree_id, prefix))
+                return
+            for _ in range(1 if rng.random() < 0.15 else rng.randint(1, 4)):
+                node = next(counter)
+                grow(prefix + [f"n{node}" if node_ids == "str" else node], depth + 1)
+
+        grow([], 0)
+    rows += [(None, None)] * rng.randint(0, 4)
+    rng.shuffle(rows)
+    return [row[0] for row in rows], [row[1] for row in rows]
+
+
+def _random_ends(rng, paths, length):
+    ends = []
+    for path in paths:
+        if path is None:
+            ends.append(None)
+            continue
+        offsets = sorted(rng.sample(range(1, length + 1), len(path)))
+        ends.append(offsets)
+    return ends
+
+
+def _same_bits(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_tree_rows_fast_path_is_bit_exact_with_the_former_version(seed):
+    from spo_verl.algorithms import tree_rows
+    from spo_verl.algorithms.tree_rows import _build_forest, _build_forest_reference, tree_token_advantages
+
+    rng = random.Random(seed)
+    tree_ids, paths = _random_tree_rows(rng, rng.randint(1, 6), node_ids="str" if seed % 4 == 3 else "int")
+    length = rng.randint(6, 40)
+    ends = _random_ends(rng, paths, length)
+    batch = len(paths)
+    reward_dtype = torch.float64 if seed % 2 else torch.float32
+    rewards = torch.tensor([rng.choice([0.0, 1.0, 0.5, -0.25]) for _ in range(batch)], dtype=reward_dtype)
+    lengths = [rng.randint(0, length) for _ in range(batch)]
+    response_mask = (torch.arange(length)[None, :] < torch.tensor(lengths)[:, None]).float()
+    response_mask[torch.rand(batch, length, generator=torch.Generator().manual_seed(seed)) < 0.05] = 0  # holes
+
+    reference = _build_forest_reference(tree_ids, paths)
+    fast = _build_forest(tree_ids, paths)
+    assert fast.parents == reference.parents and fast.row_nodes == reference.row_nodes
+    if seed % 4 != 3:
+        assert tree_rows._forest_tables(tree_ids, paths) is not None  # integer ids take the vectorised path
+
+    old_chunk = tree_rows._CHUNK_TOKENS
+    try:
+        tree_rows._CHUNK_TOKENS = length * 3  # several chunks, the last one short
+        for std_normalize, drop_zero, budget in [(False, True, None), (True, False, None), (False, True, 2),
+                                                 (True, True, 1)]:
+            kwargs = dict(std_normalize=std_normalize, drop_zero_advantage=drop_zero,
+                          max_trained_segments_per_tree=budget)
+            former = _former_tree_token_advantages(tree_ids, paths, ends, rewards, response_mask,
+                                                   generator=torch.Generator().manual_seed(seed), **kwargs)
+            for zero_untrained in (False, True):
+                result = tree_token_advantages(tree_ids, paths, ends, rewards, response_mask,
+                                               generator=torch.Generator().manual_seed(seed),
+                                               zero_untrained=zero_untrained, **kwargs)
+                expected_tokens = former[5] if zero_untrained else former[0]
+                assert _same_bits(result.token_advantages, expected_tokens)
+                assert torch.equal(result.trained_mask, former[1])
+                assert _same_bits(result.node_values, former[2])
+                assert _same_bits(result.node_advantages, former[3])
+                assert torch.equal(result.node_depths, former[4])
+    finally:
+        tree_rows._CHUNK_TOKENS = old_chunk
+
+
+def test_tree_rows_fast_path_edge_cases():
+    from spo_verl.algorithms.tree_rows import tree_token_advantages
+
+    for tree_ids, paths, ends in [
+        ([None, None], [None, None], [None, None]),  # padding only
+        (["a"], [[5]], [[3]]),  # a one-leaf tree
+        (["a", None, "b"], [[1], None, [1]], [[4], None, [2]]),  # the same node id in two trees
+    ]:
+        for length in (0, 4) if ends[0] is None else (4,):
+            rewards = torch.tensor([1.0] * len(paths))
+            mask = torch.ones(len(paths), length)
+            former = _former_tree_token_advantages(tree_ids, paths, ends, rewards, mask)
+            result = tree_token_advantages(tree_ids, paths, ends, rewards, mask)
+            assert _same_bits(result.token_advantages, former[0]) and torch.equal(result.trained_mask, former[1])
+            assert _same_bits(result.node_values, former[2]) and torch.equal(result.node_depths, former[4])
+
+
+@pytest.mark.parametrize("tree_ids, paths, ends", [
+    (["a", "a"], [[1, 2], [3, 2]], [[1, 2], [1, 2]]),  # node 2 under two parents
+    (["a", "a"], [[1, 1], [2]], [[1, 2], [1]]),  # a node its own parent
+    (["a", "a", "a"], [[1, 2], [1, 3], [1, 2]], [[1, 2], [1, 2], [1, 2]]),  # a leaf returned twice
+    (["a", "a"], [[1, 2], [1]], [[1, 2], [1]]),  # a row ends at a node with children
+    (["a", "b"], [[1], []], [[1], []]),  # an empty path
+    (["a", "a"], [[1], None], [[1], None]),  # no path
+    (["a", "a"], [[1, 2], [1, 3]], [[1, 2], [1]]),  # too few ends
+    (["a", "a"], [[1, 2], [1, 3]], [[1, 2], [2, 2]]),  # ends not increasing
+    (["a", "a"], [[1, 2], [1, 3]], [[1, 2], [0, 2]]),  # an end at 0
+    (["a", "a"], [[1, 2], [1, 3]], [[1, 2], [1, 9]]),  # past the response
+    (["a", "a"], [[1, 2], [1, 3]], [[1, 2], [1.5, 3]]),  # non-integer ends are truncated, as before
+    (["a", "a"], [[1, 2], [1, 3.0]], [[1, 2], [1, 3]]),  # a float node id
+])
+def test_tree_rows_errors_and_odd_inputs_match_the_former_version(tree_ids, paths, ends):
+    from spo_verl.algorithms.tree_rows import tree_token_advantages
+
+    rewards, mask = torch.tensor([1.0, 0.0]), torch.ones(2, 4)
+    try:
+        former = _former_tree_token_advantages(tree_ids, paths, ends, rewards, mask)
+    except Exception as error:  # noqa: BLE001 - the same type and message are expected
+        with pytest.raises(type(error)) as raised:
+            tree_token_advantages(tree_ids, paths, ends, rewards, mask)
+        assert str(raised.value) == str(error)
+        return
+    result = tree_token_advantages(tree_ids, paths, ends, rewards, mask)
+    assert _same_bits(result.token_advantages, former[0]) and torch.equal(result.trained_mask, former[1])
+    assert _same_bits(result.node_values, former[2])

@@ -215,3 +215,54 @@ def test_budget_reaches_the_estimator_from_the_settings():
         compute_advantage(data, "spo_tree", config=algorithm_config(tree={"max_trained_segments_per_prompt": 1}))
     trained_rows = context.trained_mask.any(dim=1).sum().item()
     assert trained_rows == 1
+
+
+def test_tree_estimator_is_bit_exact_with_the_tree_rows_and_its_errors_name_the_first_bad_row():
+    """The estimator's fast reading of the rows (and its one-tree-per-uid check) against the row by
+    row version: the benchmark's tree batch with padding and an early-stopped leaf, then bad rows."""
+    from spo_verl.algorithms.tree_rows import tree_token_advantages
+    from spo_verl.benchmarks.maths import tree_batch
+
+    data = tree_batch(quick=True)
+    rows = [dict(row) for row in data.rows]
+    rows[3] = dict(rows[3], path=tuple(rows[3]["path"]))  # a tuple path is read as a list
+    rows[5] = None  # a padding row
+    rows[7] = {k: v for k, v in rows[7].items() if k != "tree_id"}  # tree id from the uid
+    index = data.index.copy()
+    index[-1] = "pad01"  # verl's padding
+    fn = get_adv_estimator_fn("spo_tree")
+    config = algorithm_config()
+    with provide_spo_rows(rows) as context:
+        advantages, returns = fn(token_level_rewards=data.token_level_rewards, response_mask=data.response_mask,
+                                 index=index, config=config)
+    used = [None if row is None or i == len(rows) - 1 else row for i, row in enumerate(rows)]
+    result = tree_token_advantages(
+        [None if row is None else row.get("tree_id", index[i]) for i, row in enumerate(used)],
+        [None if row is None else list(row["path"]) for row in used],
+        [None if row is None else list(row["segment_ends"]) for row in used],
+        data.token_level_rewards.sum(-1), data.response_mask)
+    expected = result.token_advantages.masked_fill_(~result.trained_mask, 0.0)
+    assert advantages is returns
+    assert torch.equal(advantages.view(torch.int32), expected.view(torch.int32))
+    assert torch.equal(context.trained_mask, result.trained_mask)
+    assert context.tree_nodes.paths[3] == list(rows[3]["path"]) and context.tree_nodes.paths[5] is None
+
+    def call(bad_rows, uids=data.index):
+        with provide_spo_rows(bad_rows):
+            fn(token_level_rewards=data.token_level_rewards, response_mask=data.response_mask, index=uids,
+               config=config)
+
+    missing = [dict(row) for row in data.rows]
+    del missing[4]["segment_ends"]
+    missing[6] = dict(missing[6], tree_id=None)
+    with pytest.raises(SPOMetadataMissingError, match=r"no 'segment_ends'"):
+        call(missing)
+    missing[2] = {k: v for k, v in missing[2].items() if k != "path"}
+    with pytest.raises(SPOMetadataMissingError, match=r"no 'path'"):
+        call(missing)
+    with pytest.raises(ValueError, match=r"spo_tree row 0: no tree_id in its metadata and no uid to group by"):
+        call([{k: v for k, v in row.items() if k != "tree_id"} for row in data.rows], uids=None)
+    split = [dict(row) for row in data.rows]
+    split[1] = dict(split[1], tree_id="elsewhere", path=[99])
+    with pytest.raises(ValueError, match=rf"uid={data.index[1]} come from 2 different trees"):
+        call(split)
