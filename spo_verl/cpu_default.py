@@ -14,11 +14,10 @@ rule-checked arithmetic data set, built locally (nothing is downloaded) into a c
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
-import shlex
 from pathlib import Path
+
+from spo_verl.cpu_cache import cached_build, run_cli
 
 DATA_SOURCE = "openai/gsm8k"
 INSTRUCTION = "Answer after ####."
@@ -100,35 +99,18 @@ def fine_tune(model_dir: Path, steps: int = FINE_TUNE_STEPS) -> None:
 
 def build(output_dir: str | Path) -> dict[str, str]:
     """Build (or reuse) the model and data under ``output_dir``; returns their paths."""
+    return cached_build(output_dir, VERSION, _make)
+
+
+def _make(output_dir: Path) -> None:
     from spo_verl.testing.tiny_vllm import build_tiny_qwen2, build_tiny_tokenizer
 
-    output_dir = Path(output_dir).expanduser().resolve()
-    stamp = output_dir / "built.json"
-    paths = {
-        "model": str(output_dir / "model"),
-        "train_files": str(output_dir / "data" / "train.parquet"),
-        "val_files": str(output_dir / "data" / "val.parquet"),
-    }
-    if stamp.exists() and json.loads(stamp.read_text()).get("version") == VERSION:
-        return paths
     model_dir = output_dir / "model"
     tokenizer = build_tiny_tokenizer(model_dir)
     build_tiny_qwen2(model_dir, tokenizer, seed=SEED)
     fine_tune(model_dir)
     write_data(output_dir / "data")
-    stamp.write_text(json.dumps({"version": VERSION, **paths}))
-    return paths
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output-dir", required=True)
-    args = parser.parse_args(argv)
-    paths = build(args.output_dir)
-    for key, value in paths.items():
-        print(f"{key}={shlex.quote(value)}")  # shell assignments: the launch script evaluates them
-    return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_cli(build, __doc__))

