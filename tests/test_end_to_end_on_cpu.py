@@ -262,8 +262,10 @@ def test_compare_script_trains_reports_and_prints_a_line_per_step(runs):
     # The quick mode's budget ends the run before its step bound, at the step expected to reach it.
     last = steps[max(steps)]
     assert last["spo/generated_tokens_cumulative"] >= 500 or max(steps) == 3
-    progress = [line for line in log.splitlines() if line.startswith("compare: spo_tree")]
-    assert len(progress) == len(steps) and all("generated" in line and "reward" in line for line in progress)
+    # One progress line per logged step: step 0 is the validation before training.
+    progress = {int(m.group(1)): line for line in log.splitlines() if (m := re.match(r"compare: spo_tree +step +(\d+)", line))}
+    assert sorted(progress) == sorted(steps) and 0 in progress and "held-out acc" in progress[0]
+    assert all("generated" in progress[step] and "reward" in progress[step] for step in steps if step > 0)
     report = run.metrics.parents[1] / "report"
     for name in ("accuracy_vs_step.png", "accuracy_vs_generated_tokens.png", "reward_vs_step.png",
                  "reward_vs_generated_tokens.png", "results.csv", "summary.csv", "report.html"):
