@@ -197,6 +197,16 @@ def _finite(value) -> bool:
     return value is not None and math.isfinite(float(value))
 
 
+def _assert_actor_updated_or_had_nothing_to_train(step: int, data: dict) -> None:
+    """verl's actor update ran with a finite loss and gradient, unless SPO-tree had no segment to train
+    that step (every tree's leaves agreed: all advantages 0), when the trainer skips the actor pass."""
+    if data.get("spo/actor_update_rows") == 0:
+        assert "actor/pg_loss" not in data and data["spo/actor_skipped_rows"] > 0, step
+        return
+    assert _finite(data.get("actor/pg_loss")), f"step {step}: actor/pg_loss={data.get('actor/pg_loss')}"
+    assert _finite(data.get("actor/grad_norm")), f"step {step}: actor/grad_norm={data.get('actor/grad_norm')}"
+
+
 def _actor_weights_changed(checkpoints: Path, base_model: Path) -> float:
     """Largest absolute difference between the step-2 actor checkpoint and the base model."""
     from safetensors.torch import load_file
@@ -218,14 +228,12 @@ def test_trains_validates_checkpoints_and_resumes(runs, case_id):
     algorithm = case_id.split("-", 1)[1]
 
     for step, data in steps.items():
-        # verl's actor update ran with a finite loss and gradient.
-        assert _finite(data.get("actor/pg_loss")), f"step {step}: actor/pg_loss={data.get('actor/pg_loss')}"
-        assert _finite(data.get("actor/grad_norm")), f"step {step}: actor/grad_norm={data.get('actor/grad_norm')}"
+        _assert_actor_updated_or_had_nothing_to_train(step, data)
         # The rollout and the actor computed the same tokens' probabilities with the same weights.
         assert data["training/rollout_probs_diff_max"] < SYNC_BOUND, (step, data["training/rollout_probs_diff_max"])
     # Rewards that differ between samples: some advantage is not zero, so some update is real.
-    assert any(data["critic/advantages/max"] - data["critic/advantages/min"] > 0 for data in steps.values())
-    assert any(data["actor/grad_norm"] > 0 for data in steps.values())
+    assert any(data.get("critic/advantages/max", 0) - data.get("critic/advantages/min", 0) > 0 for data in steps.values())
+    assert any(data.get("actor/grad_norm", 0) > 0 for data in steps.values())
     # Step 2's rollout came from the weights step 1 trained, synced into vLLM.
     assert steps[2]["training/rollout_probs_diff_max"] < SYNC_BOUND
 
@@ -278,8 +286,9 @@ def test_readme_run_script_trains_the_real_model_on_cpu(runs):
     assert [line.split()[1] for line in summary[header + 1 :]] == ["1", "2", "3", "4"]
     steps = run.steps()
     assert sorted(steps) == [1, 2, 3, 4]
+    assert any("actor/pg_loss" in data for data in steps.values()), "no step updated the actor"
     for step, data in steps.items():
-        assert _finite(data.get("actor/pg_loss")) and _finite(data.get("actor/grad_norm")), step
+        _assert_actor_updated_or_had_nothing_to_train(step, data)
         # SmolLM2's output head is its input embedding: after each update and sync into vLLM, vLLM's
         # probabilities of the sampled tokens are the actor's (a stale tied head would be far off).
         assert data["training/rollout_probs_diff_max"] < SYNC_BOUND, (step, data["training/rollout_probs_diff_max"])
