@@ -23,6 +23,7 @@ CHECKS = textwrap.dedent(
     import importlib.metadata, inspect, json, os, sys, types
     results = {}
     import verl  # loads the plugin; VERL_PLATFORM=spo_cpu activates the platform
+    from spo_verl.cpu_platform import workarounds as workarounds_module
     from verl.utils.device import get_device_name, get_device_id, get_nccl_backend, get_torch_device, is_support_ipc
     from verl.plugin.platform.platform_manager import get_platform
     results["platform"] = type(get_platform()).__name__
@@ -80,15 +81,37 @@ CHECKS = textwrap.dedent(
     critic = model_utils.load_valuehead_model(os.environ["TINY_MODEL"], None, AutoConfig.from_pretrained(os.environ["TINY_MODEL"], num_labels=1), False)
     results["critic"] = [type(critic).__name__, critic.config._attn_implementation]
 
+    # 6. MASTER_PORT: a scanned range below the ephemeral ports, apart for runs with one seed
+    import random
+    from verl.single_controller.ray import base as ray_base
+    results["verl_binds_port_zero"] = 's.bind(("", 0))' in inspect.getsource(ray_base.get_master_addr_port._function)
+    seeded_ranges = []
+    for _ in range(3):  # three draws: all equal by chance has odds of ~1e-8
+        random.seed(0)
+        seeded_ranges.append(tuple(workarounds_module.master_port_range()))
+    first_range = seeded_ranges[0]
+    ephemeral_start = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    group = ray_base.RayWorkerGroup(resource_pool=None, ray_cls_with_init=None, worker_handles=[object()])
+    given = ray_base.RayWorkerGroup(resource_pool=None, ray_cls_with_init=None, worker_handles=[object()],
+                                    master_port_range=[30000, 30010])
+    chosen_port = int(ray_base.get_master_addr_port._function(master_port_range=group._ray_master_port_range)[1])
+    results["master_port"] = {
+        "range_below_ephemeral": 20000 <= first_range[0] < first_range[1] == ephemeral_start,
+        "seeded_runs_differ": len(set(seeded_ranges)) > 1,
+        "group_gets_range": group._ray_master_port_range[1] == ephemeral_start,
+        "given_range_kept": given._ray_master_port_range == [30000, 30010],
+        "port_in_range": group._ray_master_port_range[0] <= chosen_port < ephemeral_start,
+    }
+
     # idempotent: applying everything again changes nothing
     from spo_verl.cpu_platform import activate, workarounds
     before = [distributed.initialize_global_process_group_ray, importlib.metadata.version,
               vllm_async_server.vLLMHttpServer._get_worker_extension_cls, transformer_impl.CPUOffloadPolicy,
-              model_utils.load_valuehead_model]
+              model_utils.load_valuehead_model, ray_base.RayWorkerGroup.__init__]
     activate()
     after = [distributed.initialize_global_process_group_ray, importlib.metadata.version,
              vllm_async_server.vLLMHttpServer._get_worker_extension_cls, transformer_impl.CPUOffloadPolicy,
-             model_utils.load_valuehead_model]
+             model_utils.load_valuehead_model, ray_base.RayWorkerGroup.__init__]
     results["idempotent"] = all(a is b for a, b in zip(before, after))
 
     # guards: a verl whose code changed is refused
@@ -108,7 +131,12 @@ CHECKS = textwrap.dedent(
         finally:
             workarounds.after_import = original_after_import
         captured[0](fake_server)
+    class ChangedWorkerGroup:  # a verl that picks MASTER_PORT some other way
+        def __init__(self, **kwargs):
+            pass
+    ray_base.RayWorkerGroup = ChangedWorkerGroup
     checks = {
+        "master_port": workarounds.patch_master_port_choice,
         "process_group_backend": workarounds.patch_process_group_backend,
         "critic_attention": workarounds.patch_critic_attention,
         "weight_sync": weight_sync_guard,
@@ -185,9 +213,19 @@ def test_critic_attention_workaround(results):
     assert results["critic"] == ["Qwen2ForTokenClassification", "sdpa"]
 
 
+def test_master_port_workaround(results):
+    assert results["verl_binds_port_zero"], "verl no longer picks MASTER_PORT by binding port 0: drop workaround 6"
+    assert results["master_port"] == {
+        "range_below_ephemeral": True, "seeded_runs_differ": True, "group_gets_range": True,
+        "given_range_kept": True, "port_in_range": True,
+    }
+
+
 def test_workarounds_apply_once_and_refuse_changed_verl(results):
     assert results["idempotent"]
-    assert results["refused"] == {"process_group_backend": True, "critic_attention": True, "weight_sync": True}
+    assert results["refused"] == {
+        "master_port": True, "process_group_backend": True, "critic_attention": True, "weight_sync": True,
+    }
 
 
 def test_gpu_users_never_load_the_platform():

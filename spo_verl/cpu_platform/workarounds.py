@@ -1,5 +1,6 @@
 """The places where verl 0.9.1 (or torch under it) assumes an accelerator, worked around for the
-``spo_cpu`` platform only: the four of VERL_CPU_NOTES.md plus the PPO critic's attention.
+``spo_cpu`` platform only: the four of VERL_CPU_NOTES.md plus the PPO critic's attention and the
+MASTER_PORT choice of concurrent runs.
 
 Each workaround checks, before patching, that verl's code still has the shape it works around
 (:class:`VerlChanged` otherwise: a new verl must be looked at, not patched blindly), and marks
@@ -187,12 +188,65 @@ def patch_critic_attention() -> None:
     model_utils.load_valuehead_model = _mark(load_valuehead_model)
 
 
+# 6. verl/single_controller/ray/base.py::get_master_addr_port picks MASTER_PORT by binding port 0
+#    and releasing it; torch binds it again only when the workers build their process group, tens of
+#    seconds later. On a CPU machine several runs share one host, and meanwhile another run's
+#    connections or servers can take that ephemeral port (EADDRINUSE in init_process_group). verl
+#    scans a master_port_range instead when one is given: on CPU every worker group gets a range
+#    below the kernel's ephemeral ports (which connect() and bind(0) never hand out) and above Ray's
+#    worker ports, starting at a random port so concurrent runs start apart.
+RAY_MAX_WORKER_PORT = 19999
+_MASTER_PORT_WINDOW = 1000
+
+
+def _ephemeral_port_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; other systems never reach this (spo_cpu runs on Linux)
+
+
+def master_port_range() -> list[int] | None:
+    """A random ``[start, end)`` range for verl's MASTER_PORT scan, or None where none fits."""
+    import random
+
+    lowest, end = RAY_MAX_WORKER_PORT + 1, _ephemeral_port_start()
+    if end - lowest < 2 * _MASTER_PORT_WINDOW:
+        return None
+    # SystemRandom: the trainer seeds Python's random, and runs with one seed must still differ.
+    start = random.SystemRandom().randrange(lowest, end - _MASTER_PORT_WINDOW)
+    return [start, end]
+
+
+def patch_master_port_choice() -> None:
+    from verl.single_controller.ray import base
+
+    original = base.RayWorkerGroup.__init__
+    if _is_patched(original):
+        return
+    _require(
+        'kwargs.pop("master_port_range", None)' in _source(original)
+        and 's.bind(("", 0))' in _source(base.get_master_addr_port._function),
+        "verl.single_controller.ray.base.RayWorkerGroup",
+        "picks MASTER_PORT by binding port 0 unless given master_port_range",
+    )
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        if kwargs.get("master_port") is None and kwargs.get("master_port_range") is None:
+            kwargs["master_port_range"] = master_port_range()
+        original(self, *args, **kwargs)
+
+    base.RayWorkerGroup.__init__ = _mark(__init__)
+
+
 WORKAROUNDS = (
     patch_process_group_backend,
     patch_vllm_version_lookup,
     patch_vllm_weight_sync,
     patch_fsdp_offload_pinning,
     patch_critic_attention,
+    patch_master_port_choice,
 )
 
 
