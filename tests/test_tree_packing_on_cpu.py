@@ -34,6 +34,7 @@ from spo_verl.packing import (
     packed_row_log_probs,
 )
 from spo_verl.packing import cascade_attention as cascade_module
+from spo_verl.testing.random_trees import TREES, Tree, tree_2_2, tree_2_2_2, tree_3_3_early, tree_one_leaf
 
 VOCAB = 61
 
@@ -72,59 +73,11 @@ def tiny_model(dtype=torch.float64, seed=0) -> Qwen2ForCausalLM:
 # Random trees as per-leaf rows
 
 
-class Tree:
-    """A random tree given as leaf rows in slot order: prompt, rows (response, path, segment ends)."""
-
-    def __init__(self, rng, branching, seg_len, prompt_len=5, early_stop=(), first_id=100):
-        self.prompt = [rng.randrange(VOCAB) for _ in range(prompt_len)]
-        self.segments: dict[int, list[int]] = {}
-        self.responses, self.paths, self.ends = [], [], []
-        next_id = [first_id]
-
-        def expand(depth, where, path, ends, tokens):
-            for child in range(branching[depth]):
-                node_id = next_id[0]
-                next_id[0] += 3  # ids are arbitrary labels, not indices
-                segment = [rng.randrange(VOCAB) for _ in range(seg_len(depth, rng))]
-                self.segments[node_id] = segment
-                here = where + (child,)
-                new_path, new_ends = path + [node_id], ends + [(ends[-1] if ends else 0) + len(segment)]
-                if depth + 1 == len(branching) or here in early_stop:
-                    self.responses.append(tokens + segment)
-                    self.paths.append(new_path)
-                    self.ends.append(new_ends)
-                else:
-                    expand(depth + 1, here, new_path, new_ends, tokens + segment)
-
-        expand(0, (), [], [], [])
-
-    @property
-    def unique_tokens(self) -> int:
-        return len(self.prompt) + sum(len(s) for s in self.segments.values())
 
 
 def padded(responses, rng, extra=3):
     """Each response followed by a few random padding tokens (beyond the row's length)."""
     return [None if r is None else r + [rng.randrange(VOCAB) for _ in range(extra)] for r in responses]
-
-
-def tree_2_2(rng):
-    return Tree(rng, (2, 2), lambda d, r: 3 + d)
-
-
-def tree_3_3_early(rng):
-    return Tree(rng, (3, 3), lambda d, r: r.randint(2, 5), early_stop={(0,), (2,)})
-
-
-def tree_2_2_2(rng):
-    return Tree(rng, (2, 2, 2), lambda d, r: r.randint(1, 6))
-
-
-def tree_one_leaf(rng):
-    return Tree(rng, (1,), lambda d, r: 7)
-
-
-TREES = {"2-2": tree_2_2, "3-3 early EOS": tree_3_3_early, "2-2-2 variable": tree_2_2_2, "one leaf": tree_one_leaf}
 
 
 def with_padding_rows(tree: Tree, rng, pads=(1, 3)):

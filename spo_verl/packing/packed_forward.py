@@ -32,7 +32,13 @@ from spo_verl.packing.cascade_attention import (
 )
 from spo_verl.packing.tree_pack import PackedTree
 
-__all__ = ["cascade_attention_enabled", "packed_hidden_states", "packed_token_log_probs", "packed_row_log_probs"]
+__all__ = [
+    "cascade_attention_enabled",
+    "packed_hidden_states",
+    "packed_row_log_probs",
+    "packed_token_log_probs",
+    "packed_token_scores",
+]
 
 
 @contextlib.contextmanager
@@ -97,33 +103,42 @@ def packed_hidden_states(
     return output.last_hidden_state[0]
 
 
-def _chunk_log_probs(
-    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float
+def _chunk_scores(
+    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
 ) -> torch.Tensor:
+    """(C,) log-probs of ``targets``, or (C, 2) log-probs and entropies of the predicting distributions."""
     logits = head(hidden)
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
-    return logits.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+    normaliser = torch.logsumexp(logits, dim=-1)
+    log_probs = logits.gather(1, targets[:, None]).squeeze(1) - normaliser
+    if not with_entropy:
+        return log_probs
+    entropy = normaliser - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # as verl's entropy_from_logits
+    return torch.stack([log_probs, entropy], dim=1)
 
 
-def packed_token_log_probs(
+def packed_token_scores(
     model: torch.nn.Module,
     packed: PackedTree,
     temperature: float = 1.0,
     chunk_tokens: int = 4096,
     layout: CascadeLayout | None = None,
     checkpoint_chunks: bool | None = None,
-) -> torch.Tensor:
-    """(N,) log-prob of every packed token given its path (0 for prompt tokens), one decoder forward.
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per packed token: the log-prob of the token given its path, and (``with_entropy``) the entropy
+    of the distribution it was drawn from; (N,) each, 0 for prompt tokens. One decoder forward.
 
     ``checkpoint_chunks`` (default: when gradients are on) recomputes each chunk's logits in backward
     instead of keeping them."""
     _, head = _decoder_and_head(model)
     if packed.num_packed_tokens == 0:  # only padding rows: nothing to run
         dtype = torch.promote_types(head.weight.dtype, torch.float32)
-        return torch.zeros(0, dtype=dtype, device=head.weight.device)
+        empty = torch.zeros(0, dtype=dtype, device=head.weight.device)
+        return empty, (empty.clone() if with_entropy else None)
     hidden = packed_hidden_states(model, packed, layout)
     device = hidden.device
     depth_of_token = packed.node_depths[packed.node_of_token]
@@ -136,19 +151,32 @@ def packed_token_log_probs(
     pieces = []
     for start in range(0, targets.numel(), max(1, int(chunk_tokens))):
         stop = min(targets.numel(), start + int(chunk_tokens))
-        chunk_hidden = hidden.index_select(0, sources[start:stop])
-        chunk_targets = target_ids[start:stop]
+        arguments = (head, hidden.index_select(0, sources[start:stop]), target_ids[start:stop], temperature,
+                     with_entropy)
         if checkpoint_chunks:
-            pieces.append(
-                checkpoint(_chunk_log_probs, head, chunk_hidden, chunk_targets, temperature, use_reentrant=False)
-            )
+            pieces.append(checkpoint(_chunk_scores, *arguments, use_reentrant=False))
         else:
-            pieces.append(_chunk_log_probs(head, chunk_hidden, chunk_targets, temperature))
+            pieces.append(_chunk_scores(*arguments))
     dtype = pieces[0].dtype if pieces else torch.promote_types(hidden.dtype, torch.float32)
-    token_log_probs = torch.zeros(packed.num_packed_tokens, dtype=dtype, device=device)
+    shape = (packed.num_packed_tokens, 2) if with_entropy else (packed.num_packed_tokens,)
+    scores = torch.zeros(shape, dtype=dtype, device=device)
     if pieces:
-        token_log_probs = token_log_probs.index_put((targets,), torch.cat(pieces))
-    return token_log_probs
+        scores = scores.index_put((targets,), torch.cat(pieces))
+    if with_entropy:
+        return scores[:, 0], scores[:, 1]
+    return scores, None
+
+
+def packed_token_log_probs(
+    model: torch.nn.Module,
+    packed: PackedTree,
+    temperature: float = 1.0,
+    chunk_tokens: int = 4096,
+    layout: CascadeLayout | None = None,
+    checkpoint_chunks: bool | None = None,
+) -> torch.Tensor:
+    """(N,) log-prob of every packed token given its path (0 for prompt tokens), one decoder forward."""
+    return packed_token_scores(model, packed, temperature, chunk_tokens, layout, checkpoint_chunks)[0]
 
 
 def packed_row_log_probs(

@@ -1,0 +1,265 @@
+"""verl's FSDP language-model engine with SPO trees packed (``algorithm.spo.tree.packed_training``).
+
+:func:`enable_packed_training` turns an engine built by verl (``FSDPEngineWithLMHead``, in the actor
+or reference worker) into one whose ``forward_step`` runs each micro-batch as one packed sequence:
+the rows of a micro-batch that belong to one SPO tree share their prompt and common segments, which
+are computed once (:mod:`spo_verl.packing.tree_pack`, :mod:`spo_verl.packing.cascade_attention`);
+every other row (SPO-chain, GRPO, verl's padding rows) is its own one-node tree, computed as before.
+Log-probs (and entropies) are gathered back into verl's no-padding row layout, so verl's loss, the
+trained-segment mask, old and reference log-probs and every metric stay as they are.
+
+What stays verl's: ``forward_backward_batch`` (token counts for the loss, micro-batching, gradient
+accumulation, the backward pass) and the loss. The packed forward goes through the root module's
+``__call__`` (the instance ``forward`` of the causal LM is wrapped once), so FSDP's unshard and
+backward hooks run as for a per-row forward; the vocabulary projection is chunked inside it.
+
+Rows pack only with rows of the same micro-batch: how much is saved depends on how many leaves of a
+tree share one (``spo/packing/*`` metrics say it); the result does not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from spo_verl.batch_context import SPO_FIELD
+from spo_verl.packing.cascade_attention import CASCADE_ATTENTION, register_cascade_attention
+from spo_verl.packing.packed_forward import packed_token_scores
+from spo_verl.packing.tree_pack import PackedTree, pack_forest
+
+__all__ = [
+    "PACKED_FORWARD_KWARG",
+    "PackedTrainingSettings",
+    "PackedTreeEngineMixin",
+    "enable_packed_training",
+    "micro_batch_forest",
+    "to_verl_rows",
+]
+
+PACKED_FORWARD_KWARG = "spo_packed_forward"
+_INSTALLED = "__spo_packed_forward__"
+# verl's synthetic padding rows copy the first sample's extra_fields (trainer/ppo/padding_utils.py)
+# and take a uid with this prefix; they are plain rows whatever their metadata says.
+_PADDING_UID_PREFIX = "pad"
+
+
+@dataclass(frozen=True)
+class PackedTrainingSettings:
+    """``chunk_tokens``: hidden states projected to the vocabulary at a time (never full logits)."""
+
+    chunk_tokens: int = 4096
+
+
+@dataclass(frozen=True)
+class _PackedRequest:
+    """What the wrapped causal-LM forward receives through :data:`PACKED_FORWARD_KWARG`."""
+
+    packed: PackedTree
+    temperature: float
+    chunk_tokens: int
+    with_entropy: bool
+
+
+def _listed(value: Any) -> list | None:
+    if value is None:
+        return None
+    if hasattr(value, "tolist") and not isinstance(value, torch.Tensor):
+        value = value.tolist()  # tensordict's NonTensorStack
+    return [getattr(item, "data", item) for item in value]
+
+
+def _row_metadata(micro_batch) -> list[Mapping | None]:
+    """Each row's SPO metadata: the legacy trainer's ``spo`` column or v1's ``extra_fields["spo"]``."""
+    keys = set(micro_batch.keys())
+    batch = micro_batch.batch_size[0]
+    if SPO_FIELD in keys:
+        rows = _listed(micro_batch.get(SPO_FIELD))
+    elif "extra_fields" in keys:
+        rows = [value.get(SPO_FIELD) if isinstance(value, Mapping) else None
+                for value in _listed(micro_batch.get("extra_fields"))]
+    else:
+        rows = [None] * batch
+    uids = _listed(micro_batch.get("uid")) if "uid" in keys else [None] * batch
+    return [None if (isinstance(uid, str) and uid.startswith(_PADDING_UID_PREFIX)) or not isinstance(row, Mapping)
+            else row for row, uid in zip(rows, uids)]
+
+
+def _prompt_and_response_lengths(micro_batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """As verl's ``no_padding_2_padding`` reads them (``prompts``/``responses`` nested or not)."""
+    prompts, responses = micro_batch["prompts"], micro_batch["responses"]
+    if prompts.is_nested:
+        return prompts.offsets().diff().cpu(), responses.offsets().diff().cpu()
+    attention = micro_batch["attention_mask"].cpu()
+    width = prompts.shape[1]
+    return attention[:, :width].sum(1), attention[:, width:].sum(1)
+
+
+def micro_batch_forest(micro_batch) -> PackedTree:
+    """The :class:`PackedTree` of one verl micro-batch (no-padding layout, nested ``input_ids``).
+
+    A row with SPO-tree metadata whose response is exactly its path's segments packs with the other
+    rows of its tree in the micro-batch; every other row is a one-node tree of its own."""
+    input_ids = micro_batch["input_ids"]
+    if not input_ids.is_nested:
+        raise ValueError("packed SPO-tree training needs verl's no-padding layout (nested input_ids)")
+    prompt_lengths, response_lengths = _prompt_and_response_lengths(micro_batch)
+    sequences = [row.tolist() for row in input_ids.cpu().unbind()]
+    tree_ids, prompts, responses, paths, segment_ends = [], [], [], [], []
+    for row, (metadata, sequence) in enumerate(zip(_row_metadata(micro_batch), sequences)):
+        prompt_length, response_length = int(prompt_lengths[row]), int(response_lengths[row])
+        if prompt_length + response_length != len(sequence):
+            raise ValueError(f"row {row}: prompt {prompt_length} + response {response_length} tokens, "
+                             f"but input_ids holds {len(sequence)}")
+        prompt, response = sequence[:prompt_length], sequence[prompt_length:]
+        ends = list(metadata["segment_ends"]) if metadata is not None and "path" in metadata else None
+        if ends and ends[-1] == response_length:
+            tree_ids.append(("tree", metadata["tree_id"]))
+            paths.append(list(metadata["path"]))
+            segment_ends.append(ends)
+        elif response_length > 0:
+            tree_ids.append(("row", row))
+            paths.append([0])
+            segment_ends.append([response_length])
+        else:  # no response token: nothing of the row is scored
+            tree_ids.append(None)
+            paths.append(None)
+            segment_ends.append(None)
+        prompts.append(prompt)
+        responses.append(response)
+    return pack_forest(tree_ids, prompts, responses, paths, segment_ends)
+
+
+def to_verl_rows(packed: PackedTree, token_values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Per-packed-token values (N,) of *predicted* tokens (log-probs, entropies) in verl's layout: a
+    jagged nested tensor over each row's prompt + response whose position ``t`` holds the value of
+    row token ``t + 1`` (verl rolls ``input_ids`` by one), 0 at each row's last position. Differentiable."""
+    lengths = offsets.diff().to(token_values.device)
+    width = int(lengths.max()) if lengths.numel() else 0
+    index = torch.full((packed.row_index.shape[0], width), -1, dtype=torch.long)
+    shifted = packed.row_index[:, 1:width + 1]
+    index[:, : shifted.shape[1]] = shifted
+    table = packed.gather_rows(token_values, index=index)  # (B, width)
+    valid = torch.arange(width, device=table.device)[None, :] < lengths[:, None]
+    return torch.nested.nested_tensor_from_jagged(table[valid], offsets.to(table.device).long())
+
+
+def _single_temperature(micro_batch) -> float:
+    temperature = micro_batch["temperature"] if "temperature" in micro_batch.keys() else 1.0
+    if isinstance(temperature, torch.Tensor):
+        values = torch.unique(temperature.float().cpu())
+        if values.numel() != 1:
+            raise ValueError(f"packed SPO-tree training needs one sampling temperature per micro-batch, got {values.tolist()}")
+        return float(values[0])
+    return float(getattr(temperature, "data", temperature))
+
+
+def _causal_lm(module: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face causal LM under verl's FSDP wrapping (FSDP2 wraps in place, FSDP1 holds it)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if isinstance(module, FullyShardedDataParallel):
+        module = module.module
+    if type(module).__name__.startswith("Peft"):
+        raise ValueError("algorithm.spo.tree.packed_training does not support LoRA (PEFT) models yet")
+    if module.get_output_embeddings() is None:
+        raise ValueError("algorithm.spo.tree.packed_training needs a causal LM with an output embedding (lm_head)")
+    return module
+
+
+def install_packed_forward(causal_lm: torch.nn.Module) -> None:
+    """Wrap the instance ``forward``: with :data:`PACKED_FORWARD_KWARG` it returns the packed token
+    scores, otherwise it is the model's own forward. Idempotent."""
+    if getattr(causal_lm, _INSTALLED, False):
+        return
+    original = causal_lm.forward
+
+    def forward(*args, **kwargs):
+        request: _PackedRequest | None = kwargs.pop(PACKED_FORWARD_KWARG, None)
+        if request is None:
+            return original(*args, **kwargs)
+        return packed_token_scores(causal_lm, request.packed, request.temperature, request.chunk_tokens,
+                                   with_entropy=request.with_entropy)
+
+    causal_lm.forward = forward
+    setattr(causal_lm, _INSTALLED, True)
+
+
+@contextlib.contextmanager
+def _cascade_attention(causal_lm: torch.nn.Module):
+    # For the whole forward-backward: gradient checkpointing replays attention during backward.
+    config = causal_lm.config
+    previous = config._attn_implementation
+    config._attn_implementation = CASCADE_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+
+
+class PackedTreeEngineMixin:
+    """Put before verl's ``FSDPEngineWithLMHead`` in the MRO (see :func:`enable_packed_training`)."""
+
+    spo_packing: PackedTrainingSettings
+
+    def forward_backward_batch(self, data, loss_function, forward_only=False):
+        with _cascade_attention(_causal_lm(self.module)):
+            return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+
+    def forward_step(self, micro_batch, loss_function, forward_only):
+        from verl.utils import tensordict_utils as tu
+        from verl.utils.dataset.dataset_utils import DatasetPadMode
+        from verl.utils.device import get_device_id, get_device_name
+        from verl.utils.metric import Metric
+        from verl.workers.engine.fsdp.transformer_impl import detach_tree
+
+        pad_mode = tu.get_non_tensor_data(data=micro_batch, key="pad_mode", default=DatasetPadMode.NO_PADDING)
+        if pad_mode != DatasetPadMode.NO_PADDING:
+            raise ValueError(f"algorithm.spo.tree.packed_training needs verl's no-padding layout, got pad_mode={pad_mode}")
+        packed = micro_batch_forest(micro_batch)
+        micro_batch = micro_batch.to(get_device_id())
+        with_entropy = bool(tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False))
+        request = _PackedRequest(packed.to(get_device_id()), _single_temperature(micro_batch),
+                                 self.spo_packing.chunk_tokens, with_entropy)
+        autocast_dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
+        autocast = (contextlib.nullcontext() if autocast_dtype == torch.float32
+                    else torch.autocast(device_type=get_device_name(), dtype=autocast_dtype))
+        with autocast:
+            log_probs, entropy = self.module(**{PACKED_FORWARD_KWARG: request})
+            offsets = micro_batch["input_ids"].offsets()
+            model_output = {"log_probs": to_verl_rows(request.packed, log_probs, offsets)}
+            if with_entropy:
+                model_output["entropy"] = to_verl_rows(request.packed, entropy, offsets)
+            if loss_function is not None:
+                loss, metrics = loss_function(model_output=model_output, data=micro_batch,
+                                              dp_group=self.get_data_parallel_group())
+            else:
+                if not forward_only:
+                    raise ValueError("a training step needs a loss function")
+                loss, metrics = torch.tensor(1.0, device=get_device_name()), {}
+        metrics = dict(metrics)
+        metrics["spo/packing/packed_tokens"] = Metric("sum", packed.num_packed_tokens)
+        metrics["spo/packing/row_tokens"] = Metric("sum", packed.num_row_tokens)
+        output = {"model_output": detach_tree(model_output), "loss": loss.detach().item(), "metrics": metrics}
+        return loss, output
+
+
+def enable_packed_training(engine: Any, settings: PackedTrainingSettings) -> None:
+    """Switch a built verl FSDP language-model engine to packed forwards (idempotent)."""
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
+
+    if not isinstance(engine, FSDPEngineWithLMHead) or isinstance(engine, FSDPEngineWithValueHead):
+        raise ValueError(f"algorithm.spo.tree.packed_training needs verl's FSDP language-model engine, got "
+                         f"{type(engine).__name__}")
+    if getattr(engine, "ulysses_sequence_parallel_size", 1) > 1:
+        raise ValueError("algorithm.spo.tree.packed_training does not support ulysses_sequence_parallel_size > 1")
+    register_cascade_attention()
+    install_packed_forward(_causal_lm(engine.module))
+    if not isinstance(engine, PackedTreeEngineMixin):
+        base = type(engine)
+        engine.__class__ = type(f"SPOPacked{base.__name__}", (PackedTreeEngineMixin, base), {})
+    engine.spo_packing = settings
+
