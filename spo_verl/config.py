@@ -72,6 +72,11 @@ class TreeSettings:
     ``max_trained_segments_per_prompt``: null trains every segment once (on-policy); a number trains at
     most that many segments per prompt, drawn at random, and leaves the rest out of the actor update
     (the reference samples 32 per prompt and keeps the rest in a replay buffer for later steps).
+    ``packed_training``: the actor and reference forwards run each micro-batch's tree rows as one
+    packed sequence, every shared prefix computed once (``spo_verl.packing``); the results equal the
+    per-row forwards. ``packed_chunk_tokens``: hidden states projected to the vocabulary at a time.
+    ``packed_training_check``: in the first actor update, also run each micro-batch per row (no
+    gradient) and log how far the packed log-probs and loss are from it (``spo/packing/check/*``).
     """
 
     branching: tuple[int, ...] = (6, 6, 6)
@@ -79,6 +84,9 @@ class TreeSettings:
     std_normalize: bool = False
     drop_zero_advantage: bool = True
     max_trained_segments_per_prompt: int | None = None
+    packed_training: bool = False
+    packed_chunk_tokens: int = 4096
+    packed_training_check: bool = False
 
 
 @dataclass(frozen=True)
@@ -194,6 +202,9 @@ _CHECKS = {
     "tree.std_normalize": _boolean,
     "tree.drop_zero_advantage": _boolean,
     "tree.max_trained_segments_per_prompt": _optional_positive_int,
+    "tree.packed_training": _boolean,
+    "tree.packed_chunk_tokens": _positive_int,
+    "tree.packed_training_check": _boolean,
     "sample_log.dir": _optional_text,
     "sample_log.responses_per_step": _positive_int,
     "generated_token_budget": _optional_positive_int,

@@ -21,6 +21,7 @@ def test_defaults_are_the_papers():
     assert settings.tree.branching == (6, 6, 6) and tree_segment_budgets(settings.tree) == (600, 600)
     assert settings.tree.std_normalize is False and settings.tree.drop_zero_advantage is True
     assert settings.tree.max_trained_segments_per_prompt is None
+    assert settings.tree.packed_training is False and settings.tree.packed_chunk_tokens == 4096
 
 
 @pytest.mark.parametrize(

@@ -45,13 +45,18 @@ SYNC_BOUND = 1e-4
 # the first run only). Two first runs are allowed 6 steps but stop after step 2 because their
 # generated-token budget (1 token) is reached after step 1: the equal-cost stop on both trainers.
 BUDGET_STOP = ["trainer.total_training_steps=6", "algorithm.spo.generated_token_budget=1"]
+# Packed tree training, with the per-row check of the first actor update (issue #11).
+PACKED = ["algorithm.spo.tree.packed_training=true", "algorithm.spo.tree.packed_training_check=true"]
+# Packed and per-row forwards agree to float32 rounding (measured ~3e-6 in log-prob at down to -20).
+PACKED_LOG_PROB_BOUND = 2e-5
 CASES = [
     ("v1-spo_tree", "run_spo_tree.sh", None, [], []),
+    ("v1-spo_tree-packed", "run_spo_tree.sh", None, PACKED, []),
     ("v1-spo_chain", "run_spo_chain.sh", None, [], []),
     ("v1-grpo", "run_grpo.sh", None, [], BUDGET_STOP),
     ("v1-grpo_prob_mask", "run_grpo.sh", "grpo_prob_mask", [], []),
     ("v1-ppo", "run_grpo.sh", "ppo", [], []),
-    ("legacy-spo_tree", "run_spo_tree.sh", None, ["trainer.use_v1=false"], []),
+    ("legacy-spo_tree-packed", "run_spo_tree.sh", None, ["trainer.use_v1=false", *PACKED], []),
     ("legacy-spo_chain", "run_spo_chain.sh", None, ["trainer.use_v1=false"], BUDGET_STOP),
 ]
 
@@ -207,6 +212,25 @@ def _assert_actor_updated_or_had_nothing_to_train(step: int, data: dict) -> None
     assert _finite(data.get("actor/grad_norm")), f"step {step}: actor/grad_norm={data.get('actor/grad_norm')}"
 
 
+def _assert_packed_training(steps: dict[int, dict]) -> None:
+    """Each actor update packed its tree rows (fewer tokens through the model than the rows hold; the
+    old and reference log-probs were packed too: ``training/rollout_probs_diff_max`` compares vLLM's
+    with the packed actor's), and the first one also ran per row and found the same log-probs and loss."""
+    updates = [step for step in sorted(steps) if "actor/pg_loss" in steps[step]]
+    assert updates, "no actor update"
+    for step in updates:
+        data = steps[step]
+        assert 0 < data["spo/packing/packed_tokens"] < data["spo/packing/row_tokens"], (step, data)
+    checked = [step for step in updates if "spo/packing/check/micro_batches" in steps[step]]
+    assert checked == updates[:1], f"per-row check in steps {checked}, actor updates in {updates}"
+    first = steps[checked[0]]
+    assert first["spo/packing/check/micro_batches"] >= 1
+    assert first["spo/packing/check/log_prob_max_abs_diff"] < PACKED_LOG_PROB_BOUND
+    # The check's per-row loss uses the packed old log-probs: a log-prob difference d moves each token's
+    # ratio by about d, times an advantage of at most 1 in magnitude here (0/1 rewards).
+    assert first["spo/packing/check/loss_max_abs_diff"] < PACKED_LOG_PROB_BOUND
+
+
 def _actor_weights_changed(checkpoints: Path, base_model: Path) -> float:
     """Largest absolute difference between the step-2 actor checkpoint and the base model."""
     from safetensors.torch import load_file
@@ -225,7 +249,7 @@ def test_trains_validates_checkpoints_and_resumes(runs, case_id):
     assert case.first.returncode == 0, case.first.failure()
     steps = case.first.steps()
     assert sorted(steps) == [1, 2], f"steps logged: {sorted(steps)}"
-    algorithm = case_id.split("-", 1)[1]
+    algorithm = case_id.split("-")[1]
 
     for step, data in steps.items():
         _assert_actor_updated_or_had_nothing_to_train(step, data)
@@ -262,6 +286,8 @@ def test_trains_validates_checkpoints_and_resumes(runs, case_id):
         assert spo_keys == {"spo/generated_tokens", "spo/generated_tokens_cumulative"}, "baselines: token counts only"
     if algorithm == "ppo":
         assert _finite(last.get("critic/vf_loss"))
+    if case_id.endswith("-packed"):
+        _assert_packed_training(steps)
 
     # Validation at step 2 with verl's GSM8K reward on the held-out problems.
     assert "val-core/openai/gsm8k/acc/mean@1" in last

@@ -71,12 +71,16 @@ CHECK = textwrap.dedent(
             "gradients": gradients,
             "tokens": [int(metrics[k].aggregate()) if k in metrics else None
                        for k in ("spo/packing/packed_tokens", "spo/packing/row_tokens")],
+            "check": {k.removeprefix("spo/packing/check/"): float(v.aggregate()) for k, v in metrics.items()
+                      if k.startswith("spo/packing/check/")},
+            "micro_batches": len(trained["loss"]),
             "row_tokens": int(data["input_ids"].offsets()[-1]),
         }
 
     per_row = {case: run(case) for case in CASES}
     enable_packed_training(engine, PackedTrainingSettings(chunk_tokens=7))
-    enable_packed_training(engine, PackedTrainingSettings(chunk_tokens=7))  # idempotent
+    # Again (idempotent), now with the per-row check in each case's training pass.
+    enable_packed_training(engine, PackedTrainingSettings(chunk_tokens=7, check_updates=len(CASES)))
     packed = {case: run(case) for case in CASES}
 
     results = {"class": type(engine).__name__, "unique_tokens": sum(t.unique_tokens for t in trees),
@@ -95,6 +99,9 @@ CHECK = textwrap.dedent(
             "per_row_tokens_metric": a["tokens"],
             "packed_tokens_metric": b["tokens"],
             "row_tokens": a["row_tokens"],
+            "check": b["check"],
+            "per_row_check": a["check"],
+            "micro_batches": b["micro_batches"],
         }
     print("RESULTS" + json.dumps(results))
     """
@@ -125,6 +132,18 @@ def test_packed_engine_matches_per_row_engine(results, case):
     assert packed_loss == pytest.approx(per_row_loss, rel=1e-6, abs=1e-7)
     assert result["gradient_names"]
     assert result["gradient_diff_over_largest"] < 1e-5
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_packed_training_check_reports_the_per_row_differences(results, case):
+    """``algorithm.spo.tree.packed_training_check``: the packed engine also runs each micro-batch per
+    row and reports the largest differences, within the same float32 tolerances."""
+    result = results["cases"][case]
+    assert result["per_row_check"] == {}
+    check = result["check"]
+    assert check["micro_batches"] == result["micro_batches"] >= 1
+    assert check["log_prob_max_abs_diff"] < 2e-5
+    assert check["loss_max_abs_diff"] < 1e-6
 
 
 def test_packed_engine_counts_its_tokens(results):

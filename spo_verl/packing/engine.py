@@ -49,9 +49,12 @@ _PADDING_UID_PREFIX = "pad"
 
 @dataclass(frozen=True)
 class PackedTrainingSettings:
-    """``chunk_tokens``: hidden states projected to the vocabulary at a time (never full logits)."""
+    """``chunk_tokens``: hidden states projected to the vocabulary at a time (never full logits).
+    ``check_updates``: in that many first training passes, also run every micro-batch per row (no
+    gradient) and report the largest differences as ``spo/packing/check/*`` metrics."""
 
     chunk_tokens: int = 4096
+    check_updates: int = 0
 
 
 @dataclass(frozen=True)
@@ -206,8 +209,41 @@ class PackedTreeEngineMixin:
     spo_packing: PackedTrainingSettings
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
-        with _cascade_attention(_causal_lm(self.module)):
-            return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+        checking = not forward_only and self._spo_checks_left > 0
+        self._spo_checking = checking
+        try:
+            with _cascade_attention(_causal_lm(self.module)):
+                return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+        finally:
+            self._spo_checking = False
+            if checking:
+                self._spo_checks_left -= 1
+
+    def _per_row_check(self, micro_batch, loss_function, packed_output: dict) -> dict:
+        """The same micro-batch through verl's own per-row forward and loss, without gradients:
+        largest differences to the packed result, as metrics (aggregated by max)."""
+        from verl.utils.metric import Metric
+        from verl.workers.utils.padding import no_padding_2_padding
+
+        causal_lm = _causal_lm(self.module)
+        packed_attention = causal_lm.config._attn_implementation
+        causal_lm.config._attn_implementation = self._spo_row_attention
+        try:
+            with torch.no_grad():
+                _, reference = super().forward_step(micro_batch, loss_function=loss_function, forward_only=True)
+        finally:
+            causal_lm.config._attn_implementation = packed_attention
+        mask = micro_batch["response_mask"].bool()
+        if mask.is_nested:
+            mask = mask.to_padded_tensor(False)
+        row_lp = no_padding_2_padding(reference["model_output"]["log_probs"], micro_batch)
+        packed_lp = no_padding_2_padding(packed_output["model_output"]["log_probs"], micro_batch)
+        log_prob_diff = float((row_lp - packed_lp)[mask[:, : row_lp.shape[1]]].abs().max()) if mask.any() else 0.0
+        return {
+            "spo/packing/check/log_prob_max_abs_diff": Metric("max", log_prob_diff),
+            "spo/packing/check/loss_max_abs_diff": Metric("max", abs(reference["loss"] - packed_output["loss"])),
+            "spo/packing/check/micro_batches": Metric("sum", 1),
+        }
 
     def forward_step(self, micro_batch, loss_function, forward_only):
         from verl.utils import tensordict_utils as tu
@@ -244,6 +280,8 @@ class PackedTreeEngineMixin:
         metrics["spo/packing/packed_tokens"] = Metric("sum", packed.num_packed_tokens)
         metrics["spo/packing/row_tokens"] = Metric("sum", packed.num_row_tokens)
         output = {"model_output": detach_tree(model_output), "loss": loss.detach().item(), "metrics": metrics}
+        if getattr(self, "_spo_checking", False) and loss_function is not None:
+            metrics.update(self._per_row_check(micro_batch, loss_function, output))
         return loss, output
 
 
@@ -257,9 +295,12 @@ def enable_packed_training(engine: Any, settings: PackedTrainingSettings) -> Non
     if getattr(engine, "ulysses_sequence_parallel_size", 1) > 1:
         raise ValueError("algorithm.spo.tree.packed_training does not support ulysses_sequence_parallel_size > 1")
     register_cascade_attention()
-    install_packed_forward(_causal_lm(engine.module))
+    causal_lm = _causal_lm(engine.module)
+    install_packed_forward(causal_lm)
     if not isinstance(engine, PackedTreeEngineMixin):
         base = type(engine)
         engine.__class__ = type(f"SPOPacked{base.__name__}", (PackedTreeEngineMixin, base), {})
+        engine._spo_row_attention = causal_lm.config._attn_implementation  # what the per-row check runs
     engine.spo_packing = settings
+    engine._spo_checks_left = settings.check_updates
 

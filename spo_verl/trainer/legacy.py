@@ -22,6 +22,7 @@ from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 from spo_verl.batch_context import SPO_FIELD, provide_spo_rows
 from spo_verl.config import parse_spo_settings
 from spo_verl.trainer.common import SPO_ESTIMATORS, batch_metrics, install_spo_actor_loss, plain_validation
+from spo_verl.trainer.packed_worker import enable_packed_training_on
 from spo_verl.trainer.sample_log import SampledResponse, log_step, sample_log_settings
 from spo_verl.trainer.token_budget import GeneratedTokenBudget, step_generated_tokens
 from spo_verl.trainer.v1 import lift_spo_metrics
@@ -107,6 +108,7 @@ class SPORayPPOTrainer(RayPPOTrainer):
     def init_workers(self):
         super().init_workers()
         install_spo_actor_loss(self.actor_rollout_wg, self.config)
+        enable_packed_training_on([self.actor_rollout_wg, getattr(self, "ref_policy_wg", None)], self.config)
 
     def fit(self):
         with spo_advantage_hook(self):

@@ -37,6 +37,7 @@ from spo_verl.trainer.common import (
     spo_rows_from_extra_fields,
     uses_spo_metadata,
 )
+from spo_verl.trainer.packed_worker import enable_packed_training_on, use_packed_worker
 from spo_verl.trainer.sample_log import SampledResponse, log_step, sample_log_settings
 from spo_verl.trainer.token_budget import GeneratedTokenBudget, step_generated_tokens
 
@@ -58,6 +59,11 @@ class SPOTrainer(PPOTrainerSync):
     def init(self):
         super().init()
         install_spo_actor_loss(self.actor_rollout_wg, self.config)
+        enable_packed_training_on([self.actor_rollout_wg, getattr(self, "ref_policy_wg", None)], self.config)
+
+    def _init_resource_pool_mgr(self):
+        super()._init_resource_pool_mgr()
+        use_packed_worker(self.role_worker_mapping, self.config)
 
     def _init_dataloader(self):
         super()._init_dataloader()

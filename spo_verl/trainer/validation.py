@@ -49,3 +49,38 @@ def validate_spo_run(config: Any) -> None:
     if estimator == "spo_tree":
         check_tree_fits(settings.tree.branching, tree_segment_budgets(settings.tree), rollout.response_length, rollout.n)
 
+    if settings.tree.packed_training:
+        check_packed_training(config, estimator)
+
+
+def check_packed_training(config: Any, estimator: str) -> None:
+    """``algorithm.spo.tree.packed_training=true`` runs only where the packed forward equals verl's."""
+    key = "algorithm.spo.tree.packed_training=true"
+    if estimator != "spo_tree":
+        raise ValueError(f"{key} packs SPO trees and needs algorithm.adv_estimator=spo_tree (got {estimator})")
+    actor_ref = config.actor_rollout_ref
+    for role in ("actor", "ref"):
+        section = actor_ref.get(role, {})
+        strategy = section.get("strategy", "fsdp")
+        if strategy not in ("fsdp", "fsdp2"):
+            raise ValueError(f"{key} needs verl's FSDP engine: actor_rollout_ref.{role}.strategy must be fsdp or "
+                             f"fsdp2 (got {strategy})")
+        for name in ("ulysses_sequence_parallel_size",):
+            size = max(int(section.get(name, 1) or 1), int(section.get("fsdp_config", {}).get(name, 1) or 1))
+            if size > 1:
+                raise ValueError(f"{key} does not support sequence parallelism: actor_rollout_ref.{role}.{name} "
+                                 f"must be 1 (got {size})")
+    model = actor_ref.model
+    unsupported = {  # each must be off (false, 0 or null)
+        "actor_rollout_ref.model.use_fused_kernels": model.get("use_fused_kernels", False),
+        "actor_rollout_ref.actor.use_fused_kernels": actor_ref.actor.get("use_fused_kernels", False),
+        "actor_rollout_ref.actor.pad_to_length": actor_ref.actor.get("pad_to_length", None),
+        "actor_rollout_ref.actor.calculate_sum_pi_squared": actor_ref.actor.get("calculate_sum_pi_squared", False),
+        "actor_rollout_ref.model.lora_rank": model.get("lora_rank", 0),
+        "actor_rollout_ref.model.lora.rank": model.get("lora", {}).get("rank", 0),
+        "actor_rollout_ref.model.lora_adapter_path": model.get("lora_adapter_path", None),
+        "distillation.enabled": config.get("distillation", {}).get("enabled", False),
+    }
+    for name, value in unsupported.items():
+        if value:
+            raise ValueError(f"{key} does not support {name}={value}; turn it off or set packed_training=false")
