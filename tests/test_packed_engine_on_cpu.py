@@ -160,3 +160,7 @@ def test_packed_engine_counts_its_tokens(results):
     assert one == results["unique_tokens"] + other_rows
     split = cases["trees split over micro-batches"]["packed_tokens_metric"][0]
     assert one < split < row_tokens
+    # verl's dynamic batch size would scatter the trees; the packed engine's micro-batches keep each
+    # tree whole within the 60-token budget (3 micro-batches here), so they pack as well as one.
+    dynamic = cases["dynamic batch size (as the CPU runs)"]
+    assert dynamic["packed_tokens_metric"][0] == one and dynamic["micro_batches"] > 1

@@ -20,16 +20,16 @@ tree share one (``spo/packing/*`` metrics say it); the result does not.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from spo_verl.batch_context import SPO_FIELD
 from spo_verl.packing.cascade_attention import CASCADE_ATTENTION, register_cascade_attention
+from spo_verl.packing.micro_batches import tree_micro_batches
 from spo_verl.packing.packed_forward import packed_token_scores
-from spo_verl.packing.tree_pack import PackedTree, pack_forest
+from spo_verl.packing.tree_pack import PackedTree
+from spo_verl.packing.verl_rows import micro_batch_forest
 
 __all__ = [
     "PACKED_FORWARD_KWARG",
@@ -42,9 +42,6 @@ __all__ = [
 
 PACKED_FORWARD_KWARG = "spo_packed_forward"
 _INSTALLED = "__spo_packed_forward__"
-# verl's synthetic padding rows copy the first sample's extra_fields (trainer/ppo/padding_utils.py)
-# and take a uid with this prefix; they are plain rows whatever their metadata says.
-_PADDING_UID_PREFIX = "pad"
 
 
 @dataclass(frozen=True)
@@ -65,75 +62,6 @@ class _PackedRequest:
     temperature: float
     chunk_tokens: int
     with_entropy: bool
-
-
-def _listed(value: Any) -> list | None:
-    if value is None:
-        return None
-    if hasattr(value, "tolist") and not isinstance(value, torch.Tensor):
-        value = value.tolist()  # tensordict's NonTensorStack
-    return [getattr(item, "data", item) for item in value]
-
-
-def _row_metadata(micro_batch) -> list[Mapping | None]:
-    """Each row's SPO metadata: the legacy trainer's ``spo`` column or v1's ``extra_fields["spo"]``."""
-    keys = set(micro_batch.keys())
-    batch = micro_batch.batch_size[0]
-    if SPO_FIELD in keys:
-        rows = _listed(micro_batch.get(SPO_FIELD))
-    elif "extra_fields" in keys:
-        rows = [value.get(SPO_FIELD) if isinstance(value, Mapping) else None
-                for value in _listed(micro_batch.get("extra_fields"))]
-    else:
-        rows = [None] * batch
-    uids = _listed(micro_batch.get("uid")) if "uid" in keys else [None] * batch
-    return [None if (isinstance(uid, str) and uid.startswith(_PADDING_UID_PREFIX)) or not isinstance(row, Mapping)
-            else row for row, uid in zip(rows, uids)]
-
-
-def _prompt_and_response_lengths(micro_batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """As verl's ``no_padding_2_padding`` reads them (``prompts``/``responses`` nested or not)."""
-    prompts, responses = micro_batch["prompts"], micro_batch["responses"]
-    if prompts.is_nested:
-        return prompts.offsets().diff().cpu(), responses.offsets().diff().cpu()
-    attention = micro_batch["attention_mask"].cpu()
-    width = prompts.shape[1]
-    return attention[:, :width].sum(1), attention[:, width:].sum(1)
-
-
-def micro_batch_forest(micro_batch) -> PackedTree:
-    """The :class:`PackedTree` of one verl micro-batch (no-padding layout, nested ``input_ids``).
-
-    A row with SPO-tree metadata whose response is exactly its path's segments packs with the other
-    rows of its tree in the micro-batch; every other row is a one-node tree of its own."""
-    input_ids = micro_batch["input_ids"]
-    if not input_ids.is_nested:
-        raise ValueError("packed SPO-tree training needs verl's no-padding layout (nested input_ids)")
-    prompt_lengths, response_lengths = _prompt_and_response_lengths(micro_batch)
-    sequences = [row.tolist() for row in input_ids.cpu().unbind()]
-    tree_ids, prompts, responses, paths, segment_ends = [], [], [], [], []
-    for row, (metadata, sequence) in enumerate(zip(_row_metadata(micro_batch), sequences)):
-        prompt_length, response_length = int(prompt_lengths[row]), int(response_lengths[row])
-        if prompt_length + response_length != len(sequence):
-            raise ValueError(f"row {row}: prompt {prompt_length} + response {response_length} tokens, "
-                             f"but input_ids holds {len(sequence)}")
-        prompt, response = sequence[:prompt_length], sequence[prompt_length:]
-        ends = list(metadata["segment_ends"]) if metadata is not None and "path" in metadata else None
-        if ends and ends[-1] == response_length:
-            tree_ids.append(("tree", metadata["tree_id"]))
-            paths.append(list(metadata["path"]))
-            segment_ends.append(ends)
-        elif response_length > 0:
-            tree_ids.append(("row", row))
-            paths.append([0])
-            segment_ends.append([response_length])
-        else:  # no response token: nothing of the row is scored
-            tree_ids.append(None)
-            paths.append(None)
-            segment_ends.append(None)
-        prompts.append(prompt)
-        responses.append(response)
-    return pack_forest(tree_ids, prompts, responses, paths, segment_ends)
 
 
 def to_verl_rows(packed: PackedTree, token_values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -203,6 +131,23 @@ def _cascade_attention(causal_lm: torch.nn.Module):
         config._attn_implementation = previous
 
 
+@contextlib.contextmanager
+def _tree_micro_batches():
+    """verl's FSDP engine cuts micro-batches with the module-level ``prepare_micro_batches``; within
+    the packed engine's forward_backward_batch it keeps trees together instead."""
+    from verl.workers.engine.fsdp import transformer_impl
+
+    verl_function = transformer_impl.prepare_micro_batches
+    if getattr(verl_function, "__name__", "") != "prepare_micro_batches":
+        raise RuntimeError("verl's FSDP engine no longer cuts micro-batches with prepare_micro_batches; "
+                           "spo_verl.packing.micro_batches must be reviewed for this verl version")
+    transformer_impl.prepare_micro_batches = tree_micro_batches
+    try:
+        yield
+    finally:
+        transformer_impl.prepare_micro_batches = verl_function
+
+
 class PackedTreeEngineMixin:
     """Put before verl's ``FSDPEngineWithLMHead`` in the MRO (see :func:`enable_packed_training`)."""
 
@@ -212,7 +157,7 @@ class PackedTreeEngineMixin:
         checking = not forward_only and self._spo_checks_left > 0
         self._spo_checking = checking
         try:
-            with _cascade_attention(_causal_lm(self.module)):
+            with _cascade_attention(_causal_lm(self.module)), _tree_micro_batches():
                 return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
         finally:
             self._spo_checking = False
