@@ -23,6 +23,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import CausalBias, CausalVariant
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.models.qwen2 import modeling_qwen2
 
@@ -341,16 +342,19 @@ def test_cascade_never_builds_a_packed_square(monkeypatch, exact_rmsnorm):
     real_sdpa = F.scaled_dot_product_attention
 
     def spy(q, k, v, attn_mask=None, **kwargs):
-        calls.append((tuple(q.shape), tuple(k.shape), None if attn_mask is None else tuple(attn_mask.shape)))
+        calls.append((tuple(q.shape), tuple(k.shape), attn_mask))
         assert (q.shape[-2], k.shape[-2]) in pairs  # one node's queries x that node's path keys
-        assert attn_mask is None or attn_mask.shape == (q.shape[-2], k.shape[-2])
+        # No mask tensor at all: plain causal, or torch's bottom-right CausalBias of this node's shape.
+        assert attn_mask is None or (isinstance(attn_mask, CausalBias) and attn_mask.variant == CausalVariant.LOWER_RIGHT
+                                     and (attn_mask.seq_len_q, attn_mask.seq_len_kv) == (q.shape[-2], k.shape[-2]))
+        assert attn_mask is not None or kwargs.get("is_causal")
         assert k.shape[1] == 2 and q.shape[1] == 4 and kwargs.get("enable_gqa")  # GQA without repeating K/V
         return real_sdpa(q, k, v, attn_mask=attn_mask, **kwargs)
 
     def no_mask(*args, **kwargs):
         raise AssertionError("the packed forward must not build a causal mask over the packed sequence")
 
-    monkeypatch.setattr(cascade_module.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(cascade_module, "scaled_dot_product_attention", spy)
     monkeypatch.setattr(modeling_qwen2, "create_causal_mask", no_mask)
     lp = packed_row_log_probs(model, packed, layout=layout)
     lp.sum().backward()

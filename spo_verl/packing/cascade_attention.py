@@ -12,9 +12,16 @@ A dense N x N tree mask says the same but is quadratic in the *packed* length (f
 which is exactly what a varlen kernel with per-segment query lengths and per-path key lengths computes
 (flash-attn >= 2.1's causal is bottom-right aligned), so the same layout carries to GPUs. Here each
 group of nodes with the same (depth, query length, key length) is one batched
-``torch.nn.functional.scaled_dot_product_attention`` call; the only mask is one
-(query length x key length) bool matrix per group, never anything over the packed sequence. GQA goes
-through SDPA's ``enable_gqa``; autograd handles backward (index_select / cat only).
+``torch.nn.functional.scaled_dot_product_attention`` call with no mask tensor at all: ``is_causal``
+where a node's queries are its whole path (the prompts), else torch's bottom-right ``CausalBias``.
+
+Kernel on GPU: SDPA picks it per call. ``is_causal`` and ``CausalBias`` (lower right) are both
+accepted by PyTorch's FlashAttention-2 backend for fp16/bf16 (its causal mask is bottom-right
+aligned), and by the memory-efficient backend otherwise, so no call falls back to SDPA's math path
+or builds a (q x kv) mask; GQA goes through SDPA's ``enable_gqa``; autograd handles backward
+(index_select / cat only). One call per (depth, q, kv) group means many small calls when last-depth
+lengths vary (about one per leaf per layer); one ``flash_attn_varlen_func`` call per layer over the
+gathered paths (cu_seqlens_q = node spans, cu_seqlens_k = path lengths) is the way to remove them.
 
 Use: ``register_cascade_attention()`` once (registers :data:`CASCADE_ATTENTION` = "spo_cascade" with
 ``transformers.AttentionInterface`` and a mask function that builds no mask), set the model's
@@ -29,7 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+from torch.nn.functional import scaled_dot_product_attention
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from spo_verl.packing.tree_pack import PackedTree
 
@@ -49,7 +57,9 @@ class CascadeGroup:
     kv_index: torch.Tensor  # (G * kv_len,) packed positions of each node's path keys, node after node
     q_len: int
     kv_len: int
-    mask: torch.Tensor | None  # (q_len, kv_len) bool, bottom-right causal; None when q_len == kv_len (plain causal)
+    # Bottom-right causal (q_len x kv_len) as torch's CausalBias, which SDPA hands to its fused kernels
+    # (flash / memory-efficient on GPU) without building a mask; None when q_len == kv_len (plain causal).
+    mask: CausalBias | None
 
 
 @dataclass(frozen=True)
@@ -60,7 +70,7 @@ class CascadeLayout:
 
     def to(self, device) -> "CascadeLayout":
         groups = tuple(CascadeGroup(g.nodes.to(device), g.q_index.to(device), g.kv_index.to(device), g.q_len, g.kv_len,
-                                    None if g.mask is None else g.mask.to(device)) for g in self.groups)
+                                    g.mask) for g in self.groups)
         return CascadeLayout(groups, self.output_order.to(device), self.num_tokens)
 
 
@@ -90,7 +100,7 @@ def build_cascade_layout(packed: PackedTree, device: torch.device | str | None =
             q_index = starts[nodes][:, None] + torch.arange(q_len)  # (G, q_len)
             mask = None
             if q_len != kv_len:
-                mask = torch.ones(q_len, kv_len, dtype=torch.bool).tril(diagonal=kv_len - q_len)
+                mask = causal_lower_right(q_len, kv_len)
             groups.append(CascadeGroup(nodes, q_index.reshape(-1), kv_index.reshape(-1), q_len, kv_len, mask))
             pieces.append(q_index.reshape(-1))
     num_tokens = packed.num_packed_tokens
@@ -137,9 +147,9 @@ def cascade_attention_forward(
         k = k_all.index_select(1, group.kv_index).view(kv_heads, count, group.kv_len, head_dim).transpose(0, 1)
         v = v_all.index_select(1, group.kv_index).view(kv_heads, count, group.kv_len, head_dim).transpose(0, 1)
         if group.mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scaling, **gqa)
+            out = scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scaling, **gqa)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, dropout_p=dropout_p, scale=scaling,
+            out = scaled_dot_product_attention(q, k, v, attn_mask=group.mask, dropout_p=dropout_p, scale=scaling,
                                                  **gqa)
         outputs.append(out.transpose(1, 2).reshape(count * group.q_len, heads, head_dim))  # (G * q_len, H, D)
     attn_output = torch.cat(outputs, 0).index_select(0, layout.output_order)  # packed order
