@@ -4,7 +4,7 @@ packed by :func:`spo_verl.packing.engine.enable_packed_training` on the same eng
 
 The batch holds random trees (2-2; 3-3 with early EOS at depth 1; 2-2-2 with 1-6-token segments; a
 one-leaf tree), two rows without tree metadata (GRPO-like) and two rows as verl's batch padding makes
-them (EOS tokens, uid ``pad...``, the first row's tree metadata copied, nothing trained).
+them (EOS tokens, one uid ``pad...``, the first row's tree metadata copied, nothing trained).
 
 verl's engine runs float32 only (its precision table has no float64), so the tolerances are float32's:
 log-probs and entropies within 2e-5 absolute (measured ~3e-6 at log-probs down to -20), the loss
@@ -154,10 +154,11 @@ def test_packed_engine_counts_its_tokens(results):
     assert cases["one micro-batch"]["per_row_tokens_metric"] == [None, None]
     for case in CASES:
         assert cases[case]["packed_tokens_metric"][1] == row_tokens
-    # One micro-batch: each tree's unique tokens once, plus the plain and padding rows as they are.
+    # One micro-batch: each tree's unique tokens once, the plain rows as they are, and verl's two
+    # padding rows (one template, one uid) once: 3 prompt + 1 response tokens.
     other_rows = row_tokens - results["tree_row_tokens"]
     one = cases["one micro-batch"]["packed_tokens_metric"][0]
-    assert one == results["unique_tokens"] + other_rows
+    assert one == results["unique_tokens"] + other_rows - 4
     split = cases["trees split over micro-batches"]["packed_tokens_metric"][0]
     assert one < split < row_tokens
     # verl's dynamic batch size would scatter the trees; the packed engine's micro-batches keep each

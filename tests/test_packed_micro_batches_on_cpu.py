@@ -60,3 +60,18 @@ def test_every_rank_runs_as_many_micro_batches_as_the_busiest():
     with pytest.raises(ValueError, match="has no rows, but another rank needs 1"):
         tree_micro_batch_indices([], budget=100, count_across_ranks=lambda count: 1)
     assert tree_micro_batch_indices([], budget=100) == []
+
+
+def test_v1_balancing_orders_rows_tree_by_tree():
+    from spo_verl.trainer.tree_balance import tree_order
+
+    uids = ["b", "a", "b", "c", "a", "b", "pad1", "pad1"]
+    assert tree_order(uids) == [0, 2, 5, 1, 4, 3, 6, 7]
+    assert tree_order([]) == []
+
+
+def test_verls_padding_rows_pack_as_one():
+    """verl pads a batch with rows from one template under one uid (127 EOS prompt tokens, 1 response)."""
+    padding = [RowPlacement(("padding", "pad42"), [0], [1], 127, 1) for _ in range(5)]
+    assert packed_cost(padding, list(range(5))) == 128
+    assert tree_micro_batch_indices(TREE_B + padding, budget=200) == [[0, 1, 2, 3, 4, 5]]

@@ -29,7 +29,7 @@ def packed_cost(placements: list[RowPlacement], rows: list[int]) -> int:
     cost = 0
     for row in rows:
         place = placements[row]
-        if place.tree_key is None or place.tree_key[0] == "row":
+        if place.tree_key is None or place.tree_key[0] == "row":  # packed alone
             cost += place.prompt_length + place.response_length
             continue
         if (place.tree_key, "prompt") not in seen:
@@ -45,10 +45,12 @@ def packed_cost(placements: list[RowPlacement], rows: list[int]) -> int:
 
 
 def _units(placements: list[RowPlacement]) -> list[list[int]]:
-    """Rows grouped by tree (in order of first appearance); every other row is a unit of its own."""
+    """Rows grouped by tree (in order of first appearance; verl's padding rows form one group); every
+    other row is a unit of its own."""
     units: dict = {}
     for row, place in enumerate(placements):
-        key = place.tree_key if place.tree_key is not None and place.tree_key[0] == "tree" else ("alone", row)
+        shared = place.tree_key is not None and place.tree_key[0] != "row"  # a tree, or verl's padding rows
+        key = place.tree_key if shared else ("alone", row)
         units.setdefault(key, []).append(row)
     return list(units.values())
 

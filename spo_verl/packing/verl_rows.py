@@ -28,6 +28,14 @@ def _listed(value: Any) -> list | None:
     return [getattr(item, "data", item) for item in value]
 
 
+def _uids(micro_batch) -> list:
+    return _listed(micro_batch.get("uid")) if "uid" in micro_batch.keys() else [None] * micro_batch.batch_size[0]
+
+
+def _is_padding(uid) -> bool:
+    return isinstance(uid, str) and uid.startswith(_PADDING_UID_PREFIX)
+
+
 def _row_metadata(micro_batch) -> list[Mapping | None]:
     """Each row's SPO metadata: the legacy trainer's ``spo`` column or v1's ``extra_fields["spo"]``."""
     keys = set(micro_batch.keys())
@@ -39,9 +47,8 @@ def _row_metadata(micro_batch) -> list[Mapping | None]:
                 for value in _listed(micro_batch.get("extra_fields"))]
     else:
         rows = [None] * batch
-    uids = _listed(micro_batch.get("uid")) if "uid" in keys else [None] * batch
-    return [None if (isinstance(uid, str) and uid.startswith(_PADDING_UID_PREFIX)) or not isinstance(row, Mapping)
-            else row for row, uid in zip(rows, uids)]
+    return [None if _is_padding(uid) or not isinstance(row, Mapping) else row
+            for row, uid in zip(rows, _uids(micro_batch))]
 
 
 def _prompt_and_response_lengths(micro_batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,7 +64,8 @@ def _prompt_and_response_lengths(micro_batch) -> tuple[torch.Tensor, torch.Tenso
 @dataclass(frozen=True)
 class RowPlacement:
     """Where a verl row sits in its SPO tree: ``tree_key`` None for a row with no response token
-    (nothing of it is scored), ``("row", b)`` for a row packed alone, ``("tree", tree_id)`` otherwise."""
+    (nothing of it is scored), ``("row", b)`` for a row packed alone, ``("tree", tree_id)`` for a
+    tree's leaf, ``("padding", uid)`` for verl's padding rows (one template, shared like a tree)."""
 
     tree_key: tuple | None
     path: list | None
@@ -68,13 +76,18 @@ class RowPlacement:
 
 def row_placements(micro_batch) -> list[RowPlacement]:
     """A row with SPO-tree metadata whose response is exactly its path's segments packs with the other
-    rows of its tree; every other row (GRPO, SPO-chain, verl's padding rows) is a one-node tree."""
+    rows of its tree, verl's padding rows pack with each other, and every other row (GRPO, SPO-chain)
+    is a one-node tree of its own."""
     prompt_lengths, response_lengths = _prompt_and_response_lengths(micro_batch)
     placements = []
-    for row, metadata in enumerate(_row_metadata(micro_batch)):
+    for row, (metadata, uid) in enumerate(zip(_row_metadata(micro_batch), _uids(micro_batch))):
         prompt_length, response_length = int(prompt_lengths[row]), int(response_lengths[row])
         ends = list(metadata["segment_ends"]) if metadata is not None and "path" in metadata else None
-        if ends and ends[-1] == response_length:
+        if _is_padding(uid) and response_length > 0:
+            # verl builds every padding row of a batch from one template under one uid (EOS tokens,
+            # trains nothing): they pack as one tree of one node (pack_forest checks the tokens agree).
+            placement = RowPlacement(("padding", uid), [0], [response_length], prompt_length, response_length)
+        elif ends and ends[-1] == response_length:
             placement = RowPlacement(("tree", metadata["tree_id"]), list(metadata["path"]), ends, prompt_length,
                                      response_length)
         elif response_length > 0:

@@ -17,6 +17,8 @@ import torch
 
 __all__ = ["start_process_group", "build_actor_worker", "tree_training_batch", "parameter_gradients"]
 
+PADDING_PROMPT_TOKENS = 3
+
 
 def start_process_group() -> None:
     os.environ.update(VERL_PLATFORM="spo_cpu", VERL_ENGINE_DEVICE="cuda", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
@@ -96,11 +98,11 @@ def tree_training_batch(trees: Sequence, *, pad_token_id: int, response_length: 
         responses.append([rng.randrange(vocab) for _ in range(rng.randint(1, response_length))])
         metadata.append(None)
         uids.append(f"plain{row}")
-    for row in range(padding_rows):
-        prompts.append([pad_token_id] * 3)
+    for _ in range(padding_rows):  # one template and one uid, as verl's upsample_batch_to_divisible_size
+        prompts.append([pad_token_id] * PADDING_PROMPT_TOKENS)
         responses.append([pad_token_id])
         metadata.append(dict(metadata[0]) if metadata else None)
-        uids.append(f"pad{row:04d}")
+        uids.append("pad5e1f")
     batch = len(prompts)
     mask = torch.zeros(batch, response_length)
     for row, response in enumerate(responses):

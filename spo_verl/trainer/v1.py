@@ -8,6 +8,8 @@
   set it also appends a few of the step's responses (segments, probabilities, advantages; one whole
   tree for spo_tree) to ``samples.jsonl`` there, for every algorithm (``spo_verl.trainer.sample_log``);
 * ``init`` installs SPO's actor loss (verl's ``ppo_loss`` plus the reference's masked KL);
+* with ``algorithm.spo.tree.packed_training``, ``_balance_batch`` keeps each tree's rows together
+  (``spo_verl.trainer.tree_balance``) and the actor/reference workers run packed forwards;
 * ``_update_actor`` sends only the trajectories that train at least one token to the actor (leaves
   whose segments are all trained elsewhere or all zero cost no forward/backward), padded and
   balanced by verl's own ``_balance_batch``; it lifts the loss's ``spo/*`` metrics out of verl's
@@ -37,9 +39,10 @@ from spo_verl.trainer.common import (
     spo_rows_from_extra_fields,
     uses_spo_metadata,
 )
-from spo_verl.trainer.packed_worker import enable_packed_training_on, use_packed_worker
+from spo_verl.trainer.packed_worker import enable_packed_training_on, packed_training_settings, use_packed_worker
 from spo_verl.trainer.sample_log import SampledResponse, log_step, sample_log_settings
 from spo_verl.trainer.token_budget import GeneratedTokenBudget, step_generated_tokens
+from spo_verl.trainer.tree_balance import balance_keeping_trees
 
 TRAINER_MODE = "spo"
 
@@ -64,6 +67,11 @@ class SPOTrainer(PPOTrainerSync):
     def _init_resource_pool_mgr(self):
         super()._init_resource_pool_mgr()
         use_packed_worker(self.role_worker_mapping, self.config)
+
+    def _balance_batch(self, batch, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
+        if packed_training_settings(self.config) is None:
+            return super()._balance_batch(batch, metrics, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch)
+        return balance_keeping_trees(self, batch, metrics, logging_prefix)
 
     def _init_dataloader(self):
         super()._init_dataloader()
