@@ -220,7 +220,9 @@ def _assert_packed_training(steps: dict[int, dict]) -> None:
     assert updates, "no actor update"
     for step in updates:
         data = steps[step]
-        assert 0 < data["spo/packing/packed_tokens"] < data["spo/packing/row_tokens"], (step, data)
+        # 3-3 trees under a 52-token prompt: whole trees pack 4-8x (trial runs: 432 of 3632 row tokens
+        # with verl's padding rows, 626 of 2386); 2x only if trees or padding rows were scattered.
+        assert 0 < 2 * data["spo/packing/packed_tokens"] < data["spo/packing/row_tokens"], (step, data)
     checked = [step for step in updates if "spo/packing/check/micro_batches" in steps[step]]
     assert checked == updates[:1], f"per-row check in steps {checked}, actor updates in {updates}"
     first = steps[checked[0]]
