@@ -1,6 +1,7 @@
 """The benchmark command (``bash scripts/benchmark.sh``, ``spo_verl.benchmarks``) cannot rot: its quick
-configuration runs here, and a 2-2 tree through verl's real rollout path (the session's verl server)
-generates exactly its analytic token count."""
+configuration runs here, the packed-training measurement (``python -m spo_verl.benchmarks.packing --json
+--quick``, verl's actor worker on CPU) counts exactly the trees' unique tokens, and a 2-2 tree through
+verl's real rollout path (the session's verl server) generates exactly its analytic token count."""
 
 import math
 import re
@@ -13,20 +14,50 @@ from spo_verl.benchmarks.report import Report, header, render
 in_session_loop = pytest.mark.asyncio(loop_scope="session")  # the server's client lives there
 
 
-def test_quick_maths_report_has_every_section_and_target(tmp_path):
+@pytest.fixture(scope="module")
+def packing_results():
+    """``python -m spo_verl.benchmarks.packing --json --quick`` in a fresh process, once for this module."""
+    return cli.run_packing(quick=True, repeats=2, threads=1)
+
+
+def test_quick_packed_training_counts_unique_tokens(packing_results):
+    shapes = packing_results["shapes"]
+    assert [shape["shape"] for shape in shapes] == ["3-3"]
+    for shape in shapes:
+        # The packed engine's own metric: each tree's prompt and nodes once, for one micro-batch.
+        assert shape["packed_tokens"] == shape["unique_tokens"] < shape["row_tokens"]
+        assert shape["metric_row_tokens"] == shape["row_tokens"]
+        assert shape["rows"] == shape["trees"] * 9
+        assert len(shape["per_row_seconds"]) == len(shape["packed_seconds"]) == 2
+        assert all(seconds > 0 for seconds in shape["per_row_seconds"] + shape["packed_seconds"])
+        assert shape["speedup"] > 0 and all(peak >= 0 for peak in shape["peak_mib"].values())
+        assert shape["loss_rel_diff"] < 1e-4
+    report = Report()
+    cli.packing_section(report, packing_results)
+    text = render(report, header("test", 1, None))
+    assert "## 7. Packed SPO-tree training (issue #11)" in text
+    assert re.search(r"^\| 7\. packed tokens == unique tree tokens \| .*? \| hit \|$", text, flags=re.MULTILINE)
+    assert re.search(r"^\| 7\. actor update time falls with the tokens \| .*? \| (hit|\*\*MISS\*\* \S.*) \|$", text,
+                     flags=re.MULTILINE)
+    assert "| 356,400 (216 rows) | 90,150 (3.95x) |" in text
+
+
+def test_quick_maths_report_has_every_section_and_target(tmp_path, monkeypatch, packing_results):
+    monkeypatch.setattr(cli, "run_packing", lambda quick, repeats, threads: packing_results)  # run once, above
     output = tmp_path / "BENCHMARKS.md"
     text = cli.main(["--quick", "--skip-rollout", "--output", str(output)])
     assert output.read_text() == text
     for line in ("# Benchmarks", "* Date:", "* Machine:", "* Versions:", "* GPU: none lent"):
         assert line in text
     headings = re.findall(r"^## (\S+)", text, flags=re.MULTILINE)
-    assert headings == ["Targets", "3.", "3b.", "4.", "5.", "6."]
-    targets = re.findall(r"^\| ([1-6]\..*?) \| (.*?) \| (.*?) \| (hit|\*\*MISS\*\*|reported)", text, flags=re.MULTILINE)
+    assert headings == ["Targets", "3.", "3b.", "4.", "5.", "6.", "7."]
+    targets = re.findall(r"^\| ([1-7]\..*?) \| (.*?) \| (.*?) \| (hit|\*\*MISS\*\*|reported)", text, flags=re.MULTILINE)
     names = [name for name, *_ in targets]
     assert sum(n.startswith("3. `spo_") and "vs verl `grpo`" in n for n in names) == 2
     assert sum(n.startswith("4. `spo_prob_mask") for n in names) == 2
     assert any(n.startswith("3. batched chain advantages") for n in names)
     assert any(n.startswith("5. training tokens per step, paper") for n in names)
+    assert "7. packed tokens == unique tree tokens" in names and "7. actor update time falls with the tokens" in names
     for name, target, measured, result in targets:
         if result == "**MISS**":
             assert re.search(r"\*\*MISS\*\* \S", text.split(name, 1)[1].splitlines()[0]), f"a miss needs its reason: {name}"

@@ -1,6 +1,6 @@
 """The benchmark command: runs every measurement, prints the Markdown and writes it to ``--output``.
 
-    python -m spo_verl.benchmarks [--quick] [--skip-rollout] [--output docs/BENCHMARKS.md]
+    python -m spo_verl.benchmarks [--quick] [--skip-rollout] [--skip-packing] [--output docs/BENCHMARKS.md]
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import json
 import os
 import shlex
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -296,7 +297,7 @@ a step): every leaf row is a whole sequence, so the shared prefixes are recomput
 
 Per-leaf rows cost {ratio:.2f}x the unique tokens, exactly what GRPO with the same number of samples costs:
 training each prefix once would cut the actor's forward/backward tokens {ratio:.2f}-fold at the paper's
-setting (section 5b measures the same on the CPU rollouts). SPO's
+setting (section 5b measures the same on the CPU rollouts; section 7 times packed training). SPO's
 trainer also drops rows with no trained token (every segment is trained by one row, zero-advantage segments
 are dropped), which only helps when whole leaves have nothing to train.
 """
@@ -351,13 +352,90 @@ async def run_rollout(report: Report, quick: bool, repeats: int) -> rollout.Tree
 
 
 # ------------------------------------------------------------------------------------------------
+# Packed SPO-tree training through verl's actor worker
+# ------------------------------------------------------------------------------------------------
+
+
+def run_packing(quick: bool, repeats: int, threads: int) -> dict:
+    """``python -m spo_verl.benchmarks.packing --json`` in a fresh process (it sets up its own one-process
+    torch.distributed world and the ``spo_cpu`` platform before importing verl); its JSON result."""
+    command = [sys.executable, "-m", "spo_verl.benchmarks.packing", "--json", "--threads", str(threads),
+               "--repeats", str(repeats)]
+    if quick:
+        command.append("--quick")
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
+    lines = result.stdout.strip().splitlines()
+    if result.returncode != 0 or not lines:
+        raise RuntimeError(f"packed-training benchmark failed ({result.returncode}):\n{result.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def packing_section(report: Report, results: dict) -> None:
+    rows, exact, faster = [], [], []
+    for shape in results["shapes"]:
+        ratio = shape["row_tokens"] / shape["packed_tokens"]
+        low, high = shape["speedup_spread"]
+        speedup = f"{shape['speedup']:.2f}x ({low:.2f}-{high:.2f})"
+        rows.append([shape["label"], f"{shape['row_tokens']:,} ({shape['rows']} rows)",
+                     f"{shape['packed_tokens']:,} ({ratio:.2f}x)", _ms(shape["per_row_median_s"]),
+                     _ms(shape["packed_median_s"]), speedup,
+                     f"{shape['peak_mib']['per-row']:.0f} / {shape['peak_mib']['packed']:.0f}"])
+        exact.append((shape, shape["packed_tokens"] == shape["unique_tokens"]
+                      and shape["metric_row_tokens"] == shape["row_tokens"]))
+        faster.append((shape, speedup, shape["speedup"] > 1.0))
+    paper = tokens.paper_counts()
+    paper_ratio = paper["spo_tree_rows"] / paper["unique"]
+    rows.append(["paper 6-6-6, one tree (analytic: 150-token prompt, 600/600/300-token segments)",
+                 f"{paper['spo_tree_rows']:,} (216 rows)", f"{paper['unique']:,} ({paper_ratio:.2f}x)",
+                 "-", "-", "not measured (no GPU)", "-"])
+    hit = all(ok for _, ok in exact)
+    report.target("7. packed tokens == unique tree tokens", "equal (exact), one micro-batch",
+                  "; ".join(f"{s['shape']}: {s['packed_tokens']:,} packed vs {s['unique_tokens']:,} unique "
+                            f"(of {s['row_tokens']:,} row tokens)" for s, _ in exact), hit,
+                  "" if hit else "the packed engine's `spo/packing/packed_tokens` metric differs from the trees' "
+                  "unique tokens: a tree did not pack whole.")
+    hit = all(ok for *_, ok in faster)
+    report.target("7. actor update time falls with the tokens", "packed faster than per-row (> 1x)",
+                  "; ".join(f"{s['shape']}: {text}" for s, text, _ in faster), hit,
+                  "" if hit else "at this size the packed forward's fixed costs (building the packed forest, "
+                  "the tree attention mask, gathering the log-probs back into rows) outweigh the saved tokens.")
+    loss_diff = max(shape["loss_rel_diff"] for shape in results["shapes"])
+    report.add("7. Packed SPO-tree training (issue #11)", f"""
+One actor update pass, per-leaf rows (what verl trains today) against the same batch packed
+(`algorithm.spo.tree.packed_training`, `spo_verl.packing.engine.enable_packed_training`: each tree's
+prompt and shared segments computed once, log-probs gathered back into verl's rows), through the same
+engine code path as training: verl's actor `TrainingWorker` with its FSDP2 engine on the CPU (one-process
+gloo world), fp32, gradient checkpointing on, verl's `ppo_loss` (`vanilla`); the model is the
+{results['model']}. Two workers are built from the same model in one fresh process
+(`python -m spo_verl.benchmarks.packing`), the second switched to packed forwards. A pass is
+`optimizer_zero_grad` then verl's `forward_backward_batch` in training mode (forward + backward, no
+optimizer step) with the whole batch as one micro-batch, so every tree packs whole. The rows of a tree all
+have the same length here (no early EOS), so the per-row side pads nothing. Speed-up = per-row / packed
+time, median of {results['repeats']} alternating rounds with its spread; both sides' losses agree (largest
+relative difference {loss_diff:.1g}). Packed tokens are the packed engine's own `spo/packing/packed_tokens`
+metric (it must equal the trees' unique tokens, and `spo/packing/row_tokens` the batch's row tokens, or the
+run fails). Peak memory: the RSS method of section 6, both sides one after the other in one fresh
+subprocess (`--memory-cases`), the peak resident set size of the pass above what the process held before
+it (model and batch excluded).
+
+{table(["shape", "row tokens", "packed tokens (row / packed)", "per-row update ms", "packed update ms", "speed-up (spread)", "peak MiB per-row / packed"], rows)}
+
+The paper's row is the analytic count of section 5 ({paper_ratio:.2f}x fewer tokens through the actor);
+its time is not measured (no GPU in this session).
+""")
+
+
+# ------------------------------------------------------------------------------------------------
 # The command
 # ------------------------------------------------------------------------------------------------
 
 
-def build_report(quick: bool, skip_rollout: bool, repeats: int, threads: int) -> Report:
+def build_report(quick: bool, skip_rollout: bool, repeats: int, threads: int, skip_packing: bool = False) -> Report:
     report = Report()
     run_maths(report, quick, repeats, threads)
+    if not skip_packing:
+        packing_section(report, run_packing(quick, repeats, threads))
     measured = None if skip_rollout else asyncio.run(run_rollout(report, quick, max(2, repeats // 2 + 1) if not quick else 1))
     training_tokens_section(report, measured)
     # Sections in the order of the issue.
@@ -368,7 +446,8 @@ def build_report(quick: bool, skip_rollout: bool, repeats: int, threads: int) ->
 def main(argv=None) -> str:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes, 2 repeats, one 2-2 tree (CI)")
-    parser.add_argument("--skip-rollout", action="store_true", help="no vLLM server: maths and analytic counts only")
+    parser.add_argument("--skip-rollout", action="store_true", help="no vLLM server: sections 1, 2 and 5b left out")
+    parser.add_argument("--skip-packing", action="store_true", help="no verl training engine: skip section 7")
     parser.add_argument("--output", default=None, help="write the Markdown here (e.g. docs/BENCHMARKS.md)")
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds per comparison (default 7, quick 2)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads for the timed maths (default 1)")
@@ -384,7 +463,7 @@ def main(argv=None) -> str:
         return ""
     repeats = args.repeats or (2 if args.quick else 7)
     started = time.perf_counter()
-    report = build_report(args.quick, args.skip_rollout, repeats, args.threads)
+    report = build_report(args.quick, args.skip_rollout, repeats, args.threads, args.skip_packing)
     command = "bash scripts/benchmark.sh " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     text = render(report, header(command.strip(), args.threads, None, time.perf_counter() - started))
     if args.output:
