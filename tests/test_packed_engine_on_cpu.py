@@ -54,10 +54,12 @@ CHECK = textwrap.dedent(
                                    rng=random.Random(1), plain_rows=2, padding_rows=2, vocab=vocab,
                                    **CASES[case], **more)
 
-    def run(case):
+    def run(case, on_policy=False):
         with engine.eval_mode():
             inferred = engine.infer_batch(batch(case, calculate_entropy=True), loss_function=None)["model_output"]
         data = batch(case)
+        if on_policy:  # old log-probs = the engine's own, as in a first PPO epoch (ratio 1)
+            data["old_log_probs"] = no_padding_2_padding(inferred["log_probs"], data)
         with engine.train_mode():
             engine.optimizer_zero_grad()
             trained = engine.forward_backward_batch(data, loss_fn, forward_only=False)
@@ -103,6 +105,32 @@ CHECK = textwrap.dedent(
             "per_row_check": a["check"],
             "micro_batches": b["micro_batches"],
         }
+
+    # A tied output head (SmolLM2's): lm_head is the input embedding, held by FSDP2's root unit.
+    import tempfile
+    from transformers import AutoModelForCausalLM
+    tied_dir = tempfile.mkdtemp()
+    tied = AutoModelForCausalLM.from_pretrained(model_dir)
+    tied.config.tie_word_embeddings = True
+    tied.model.embed_tokens.weight = tied.lm_head.weight  # the calibrated head: log-probs stay in range
+    tied.save_pretrained(tied_dir)
+    tokenizer.save_pretrained(tied_dir)
+    tied_worker, _ = build_actor_worker(tied_dir, micro_batch_size=64, gradient_checkpointing=True)
+    engine = tied_worker.engine
+    assert engine.module.get_output_embeddings().weight is engine.module.get_input_embeddings().weight
+    # Its logits are sharper than the untied model's (log-probs down to about -40): against random old
+    # log-probs every ratio would be ~0 and every gradient 0, so this case trains on its own log-probs.
+    tied_rows = run("one micro-batch", on_policy=True)
+    enable_packed_training(engine, PackedTrainingSettings(chunk_tokens=7))
+    tied_packed = run("one micro-batch", on_policy=True)
+    largest = max(g.abs().max().item() for g in tied_rows["gradients"].values())
+    results["tied_head"] = {
+        "log_prob_diff": (tied_rows["log_probs"] - tied_packed["log_probs"])[tied_rows["mask"]].abs().max().item(),
+        "loss": [tied_rows["loss"], tied_packed["loss"]],
+        "gradient_names": sorted(tied_rows["gradients"]) == sorted(tied_packed["gradients"]),
+        "gradient_diff_over_largest": max((tied_rows["gradients"][k] - tied_packed["gradients"][k]).abs().max().item()
+                                          for k in tied_rows["gradients"]) / largest,
+    }
     print("RESULTS" + json.dumps(results))
     """
 )
@@ -144,6 +172,17 @@ def test_packed_training_check_reports_the_per_row_differences(results, case):
     assert check["micro_batches"] == result["micro_batches"] >= 1
     assert check["log_prob_max_abs_diff"] < 2e-5
     assert check["loss_max_abs_diff"] < 1e-6
+
+
+def test_packed_engine_with_a_tied_output_head(results):
+    """The output head is the input embedding (SmolLM2, the CPU default): the packed forward's chunked
+    head runs inside the root module call, where FSDP2 holds that weight."""
+    result = results["tied_head"]
+    assert result["log_prob_diff"] < 2e-5
+    per_row_loss, packed_loss = result["loss"]
+    assert packed_loss == pytest.approx(per_row_loss, rel=1e-6, abs=1e-7)
+    assert result["gradient_names"]
+    assert result["gradient_diff_over_largest"] < 1e-5
 
 
 def test_packed_engine_counts_its_tokens(results):

@@ -24,7 +24,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import CausalBias, CausalVariant
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers.models.llama import modeling_llama
 from transformers.models.qwen2 import modeling_qwen2
 
 from spo_verl.algorithms.tree_rows import tree_token_advantages
@@ -57,6 +58,7 @@ def exact_rmsnorm(monkeypatch):
         return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
 
     monkeypatch.setattr(modeling_qwen2.Qwen2RMSNorm, "forward", forward)
+    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", forward)
 
 
 def tiny_model(dtype=torch.float64, seed=0) -> Qwen2ForCausalLM:
@@ -67,6 +69,20 @@ def tiny_model(dtype=torch.float64, seed=0) -> Qwen2ForCausalLM:
     )
     model = Qwen2ForCausalLM(config).to(dtype)
     model.eval()  # no dropout; gradients still flow
+    return model
+
+
+def tiny_llama(dtype=torch.float64, seed=0) -> LlamaForCausalLM:
+    """The CPU default's architecture (SmolLM2 is a Llama with a tied head): its decoder takes no mask
+    mapping, only a mask tensor or None."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, attn_implementation="sdpa",
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(config).to(dtype)
+    model.eval()
     return model
 
 
@@ -271,6 +287,18 @@ def test_packed_log_probs_and_gradients_match_rows_float64(name, exact_rmsnorm):
         assert diff < 1e-10, diff
 
 
+def test_llama_with_a_tied_head_matches_rows_float64(exact_rmsnorm):
+    model = tiny_llama(torch.float64)
+    tree, responses, paths, ends = _rows_for("3-3 early EOS", 5)
+    packed = pack_tree(tree.prompt, responses, paths, ends)
+    packed_lp = packed_row_log_probs(model, packed, chunk_tokens=7)
+    rows_lp = row_log_probs(model, [tree.prompt] * len(responses), responses, ends, packed.response_width)
+    assert (packed_lp - rows_lp).abs().max().item() < 1e-12
+    weights = torch.randn(rows_lp.shape, dtype=torch.float64) * (packed.response_index >= 0)
+    diff, largest = grad_diff_of(model, packed_lp, rows_lp, weights)
+    assert largest > 0 and diff < 1e-10
+
+
 def test_forest_and_temperature_match_rows_float64(exact_rmsnorm):
     model = tiny_model(torch.float64, seed=1)
     rng = random.Random(9)
@@ -351,8 +379,12 @@ def test_cascade_never_builds_a_packed_square(monkeypatch, exact_rmsnorm):
         assert k.shape[1] == 2 and q.shape[1] == 4 and kwargs.get("enable_gqa")  # GQA without repeating K/V
         return real_sdpa(q, k, v, attn_mask=attn_mask, **kwargs)
 
+    real_create_causal_mask = modeling_qwen2.create_causal_mask
+
     def no_mask(*args, **kwargs):
-        raise AssertionError("the packed forward must not build a causal mask over the packed sequence")
+        mask = real_create_causal_mask(*args, **kwargs)
+        assert mask is None, "the packed forward must not build a causal mask over the packed sequence"
+        return mask
 
     monkeypatch.setattr(cascade_module, "scaled_dot_product_attention", spy)
     monkeypatch.setattr(modeling_qwen2, "create_causal_mask", no_mask)

@@ -76,12 +76,10 @@ def _decoder_and_head(model: torch.nn.Module):
     return decoder, head
 
 
-def _mask_mapping(config) -> dict:
-    """A prepared mask per layer type, all None: the model then builds no mask at all."""
+def _check_full_attention(config) -> None:
     layer_types = getattr(config, "layer_types", None) or ["full_attention"]
     if any(kind != "full_attention" for kind in layer_types):
         raise ValueError(f"packed trees support full attention layers only, the model has {sorted(set(layer_types))}")
-    return {"full_attention": None}
 
 
 def packed_hidden_states(
@@ -89,6 +87,7 @@ def packed_hidden_states(
 ) -> torch.Tensor:
     """(N, hidden) final hidden states (after the final norm) of every packed token, one decoder forward."""
     decoder, _ = _decoder_and_head(model)
+    _check_full_attention(model.config)
     device = packed.input_ids.device if next(model.parameters(), None) is None else next(model.parameters()).device
     if layout is None:
         layout = build_cascade_layout(packed, device)
@@ -96,7 +95,9 @@ def packed_hidden_states(
         output = decoder(
             input_ids=packed.input_ids.to(device)[None],
             position_ids=packed.position_ids.to(device)[None],
-            attention_mask=_mask_mapping(model.config),
+            # No mask: the model asks transformers' mask interface, which for CASCADE_ATTENTION builds none
+            # (a mask mapping would do for Qwen2, but Llama-style decoders take a tensor or None only).
+            attention_mask=None,
             use_cache=False,
             **{LAYOUT_KWARG: layout},
         )
