@@ -18,6 +18,14 @@ import torch
 
 # Key of the SPO metadata in AgentLoopOutput.extra_fields (and so a non_tensor_batch column).
 SPO_FIELD = "spo"
+# verl's upsample_batch_to_divisible_size names the synthetic rows it pads a batch with "pad<hex>",
+# builds them all from one template and copies the first sample's extra_fields into them.
+PADDING_UID_PREFIX = "pad"
+
+
+def is_padding_uid(uid: Any) -> bool:
+    """Whether a row is one of verl's synthetic padding rows (its metadata, if any, is a copy)."""
+    return str(uid).startswith(PADDING_UID_PREFIX)
 
 
 @dataclass

@@ -72,11 +72,6 @@ class TreeSettings:
     ``max_trained_segments_per_prompt``: null trains every segment once (on-policy); a number trains at
     most that many segments per prompt, drawn at random, and leaves the rest out of the actor update
     (the reference samples 32 per prompt and keeps the rest in a replay buffer for later steps).
-    ``packed_training``: the actor and reference forwards run each micro-batch's tree rows as one
-    packed sequence, every shared prefix computed once (``spo_verl.packing``); the results equal the
-    per-row forwards. ``packed_chunk_tokens``: hidden states projected to the vocabulary at a time.
-    ``packed_training_check``: in the first actor update, also run each micro-batch per row (no
-    gradient) and log how far the packed log-probs and loss are from it (``spo/packing/check/*``).
     """
 
     branching: tuple[int, ...] = (6, 6, 6)
@@ -84,9 +79,6 @@ class TreeSettings:
     std_normalize: bool = False
     drop_zero_advantage: bool = True
     max_trained_segments_per_prompt: int | None = None
-    packed_training: bool = False
-    packed_chunk_tokens: int = 4096
-    packed_training_check: bool = False
 
 
 @dataclass(frozen=True)
@@ -116,6 +108,15 @@ class SPOSettings:
     algorithms are compared at equal sampling cost: the step that is expected to reach it (from the
     previous step's count) is the last, with verl's final validation and checkpoint. null: verl's
     ``trainer.total_training_steps``/``total_epochs`` alone decide.
+    ``packed_training``: the actor and reference forwards run each micro-batch as one packed sequence
+    in which every prefix its rows share (a prompt and its ``rollout.n`` responses, an SPO tree's
+    segments, a preamble common to all prompts) is computed once (``spo_verl.packing``), for every
+    algorithm; the results equal the per-row forwards. ``packed_chunk_tokens``: hidden states
+    projected to the vocabulary at a time. ``packed_max_token_ratio``: a micro-batch whose packed
+    tokens exceed this share of its row tokens runs verl's per-row forward instead (packing it would
+    cost more than it saves). ``packed_training_check``: in the first actor update, also run each
+    packed micro-batch per row (no gradient) and log how far the packed log-probs and loss are from it
+    (``spo/packing/check/*``).
     """
 
     prob_mask: ProbMaskSettings = field(default_factory=ProbMaskSettings)
@@ -124,6 +125,18 @@ class SPOSettings:
     truncated_response_score: str = "zero"
     sample_log: SampleLogSettings = field(default_factory=SampleLogSettings)
     generated_token_budget: int | None = None
+    packed_training: bool = False
+    packed_chunk_tokens: int = 4096
+    packed_max_token_ratio: float = 0.9
+    packed_training_check: bool = False
+
+
+# Settings that moved: the old key -> where it is now.
+MOVED_SETTINGS = {
+    f"{NAMESPACE}.tree.packed_training": f"{NAMESPACE}.packed_training",
+    f"{NAMESPACE}.tree.packed_chunk_tokens": f"{NAMESPACE}.packed_chunk_tokens",
+    f"{NAMESPACE}.tree.packed_training_check": f"{NAMESPACE}.packed_training_check",
+}
 
 
 def _fail(key: str, allowed: str, value: Any) -> SPOConfigError:
@@ -202,12 +215,13 @@ _CHECKS = {
     "tree.std_normalize": _boolean,
     "tree.drop_zero_advantage": _boolean,
     "tree.max_trained_segments_per_prompt": _optional_positive_int,
-    "tree.packed_training": _boolean,
-    "tree.packed_chunk_tokens": _positive_int,
-    "tree.packed_training_check": _boolean,
     "sample_log.dir": _optional_text,
     "sample_log.responses_per_step": _positive_int,
     "generated_token_budget": _optional_positive_int,
+    "packed_training": _boolean,
+    "packed_chunk_tokens": _positive_int,
+    "packed_max_token_ratio": _probability,
+    "packed_training_check": _boolean,
 }
 
 
@@ -225,6 +239,10 @@ def _parse_section(cls: type, raw: Any, prefix: str) -> Any:
         raise _fail(prefix, "a mapping", raw)
     names = [f.name for f in fields(cls)]
     unknown = sorted(set(raw) - set(names))
+    moved = [f"{prefix}.{k}" for k in unknown if f"{prefix}.{k}" in MOVED_SETTINGS]
+    if moved:
+        raise SPOConfigError("; ".join(f"{key} is now {MOVED_SETTINGS[key]} (it packs every algorithm's rows, "
+                                       f"not only SPO trees)" for key in moved))
     if unknown:
         raise SPOConfigError(f"unknown setting(s) {[f'{prefix}.{k}' for k in unknown]}; {prefix} accepts {names}")
     values = {}

@@ -17,10 +17,8 @@ from verl.trainer.ppo.core_algos import register_adv_est
 
 from spo_verl.algorithms.batched import chain_token_advantages_batched
 from spo_verl.algorithms.tree_rows import tree_token_advantages
-from spo_verl.batch_context import SPO_FIELD, SPOBatchContext, TreeNodes, current_spo_context
+from spo_verl.batch_context import SPO_FIELD, SPOBatchContext, TreeNodes, current_spo_context, is_padding_uid
 from spo_verl.config import SPOSettings, parse_spo_settings
-
-PADDING_UID_PREFIX = "pad"  # verl's upsample_batch_to_divisible_size names its rows "pad<hex>"
 
 
 class SPOMetadataMissingError(RuntimeError):
@@ -39,7 +37,7 @@ def _missing_metadata(estimator: str) -> SPOMetadataMissingError:
 def _padding_rows(index: Any, batch_size: int) -> np.ndarray:
     if index is None:
         return np.zeros(batch_size, dtype=bool)
-    return np.array([str(uid).startswith(PADDING_UID_PREFIX) for uid in index], dtype=bool)
+    return np.array([is_padding_uid(uid) for uid in index], dtype=bool)
 
 
 def _rows_for(estimator: str, batch_size: int, index: Any, spo_rows: Sequence | None) -> tuple[list, SPOBatchContext | None]:

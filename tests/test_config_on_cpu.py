@@ -21,7 +21,15 @@ def test_defaults_are_the_papers():
     assert settings.tree.branching == (6, 6, 6) and tree_segment_budgets(settings.tree) == (600, 600)
     assert settings.tree.std_normalize is False and settings.tree.drop_zero_advantage is True
     assert settings.tree.max_trained_segments_per_prompt is None
-    assert settings.tree.packed_training is False and settings.tree.packed_chunk_tokens == 4096
+    assert settings.packed_training is False and settings.packed_chunk_tokens == 4096
+    assert settings.packed_max_token_ratio == 0.9 and settings.packed_training_check is False
+
+
+def test_packing_settings_that_moved_say_where_they_are_now():
+    with pytest.raises(SPOConfigError, match=r"algorithm\.spo\.tree\.packed_training is now algorithm\.spo\.packed_training"):
+        parse_spo_settings({"tree": {"packed_training": True}})
+    with pytest.raises(SPOConfigError, match=r"packed_max_token_ratio must be a number in \(0, 1\], got 1\.5"):
+        parse_spo_settings({"packed_max_token_ratio": 1.5})
 
 
 @pytest.mark.parametrize(

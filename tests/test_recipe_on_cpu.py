@@ -88,19 +88,18 @@ def test_rollout_n_follows_the_tree_shape():
          r"data\.train_batch_size \(2\) to be a multiple of actor_rollout_ref\.rollout\.agent\.num_workers \(8\)"),
         (["spo_algorithm=spo_chain", "trainer.use_v1=false", "data.train_batch_size=6", "actor_rollout_ref.rollout.agent.num_workers=4"],
          r"default_agent_loop=spo_chain on the legacy trainer needs data\.train_batch_size \(6\)"),
-        # Packed tree training: refused where the packed forward would not be verl's.
-        (["spo_algorithm=grpo", "algorithm.spo.tree.packed_training=true"],
-         r"packed_training=true packs SPO trees and needs algorithm\.adv_estimator=spo_tree \(got grpo\)"),
-        (["algorithm.spo.tree.packed_training=true", "actor_rollout_ref.actor.strategy=megatron"],
+        # Packed training (every algorithm): refused where the packed forward would not be verl's.
+        (["algorithm.spo.packed_training=true", "actor_rollout_ref.actor.strategy=megatron"],
          r"packed_training=true needs verl's FSDP engine: actor_rollout_ref\.actor\.strategy must be fsdp or fsdp2 \(got megatron\)"),
-        (["algorithm.spo.tree.packed_training=true", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"],
+        (["spo_algorithm=grpo", "algorithm.spo.packed_training=true", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"],
          r"does not support sequence parallelism: actor_rollout_ref\.actor\.ulysses_sequence_parallel_size must be 1 \(got 2\)"),
-        (["algorithm.spo.tree.packed_training=true", "actor_rollout_ref.model.use_fused_kernels=true"],
+        (["algorithm.spo.packed_training=true", "actor_rollout_ref.model.use_fused_kernels=true"],
          r"does not support actor_rollout_ref\.model\.use_fused_kernels=True; turn it off"),
-        (["algorithm.spo.tree.packed_training=true", "actor_rollout_ref.model.lora_rank=8"],
+        (["spo_algorithm=spo_chain", "algorithm.spo.packed_training=true", "actor_rollout_ref.model.lora_rank=8"],
          r"does not support actor_rollout_ref\.model\.lora_rank=8; turn it off"),
-        (["algorithm.spo.tree.packed_training=yes"], r"algorithm\.spo\.tree\.packed_training must be true or false"),
-        (["algorithm.spo.tree.packed_chunk_tokens=0"], r"algorithm\.spo\.tree\.packed_chunk_tokens must be a positive integer, got 0"),
+        (["algorithm.spo.packed_training=yes"], r"algorithm\.spo\.packed_training must be true or false"),
+        (["algorithm.spo.packed_chunk_tokens=0"], r"algorithm\.spo\.packed_chunk_tokens must be a positive integer, got 0"),
+        (["+algorithm.spo.tree.packed_training=true"], r"algorithm\.spo\.tree\.packed_training is now algorithm\.spo\.packed_training"),
     ],
 )
 def test_invalid_runs_fail_at_configuration_time(overrides, message):

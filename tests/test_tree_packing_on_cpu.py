@@ -32,6 +32,7 @@ from spo_verl.algorithms.tree_rows import tree_token_advantages
 from spo_verl.packing import (
     build_cascade_layout,
     pack_forest,
+    pack_sequences,
     pack_tree,
     packed_row_log_probs,
 )
@@ -421,3 +422,111 @@ def test_gradient_checkpointing_replays_the_cascade(exact_rmsnorm):
     assert (packed_lp - rows_lp).abs().max().item() < 1e-12
     diff, _ = max_grad_diff(param_grads(model, (packed_lp * weights).sum()), row_grads)
     assert diff < 1e-10
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rows packed by their tokens alone (pack_sequences: what verl's engine packs, for every algorithm)
+
+
+def mixed_rows(rng, vocab=VOCAB):
+    """(sequences, prompt lengths) of what one micro-batch may hold: two GRPO groups whose prompts start
+    with a common few-shot preamble, responses sharing first tokens, an early EOS (1 token) and a row
+    that is a prefix of another; an SPO tree (2-2, segment metadata ignored); two identical verl
+    padding rows; a row that shares nothing."""
+    draw = lambda n: [rng.randrange(1, vocab) for _ in range(n)]  # noqa: E731
+    preamble = draw(9)
+    sequences, prompts = [], []
+    for _ in range(2):
+        prompt = preamble + draw(rng.randint(2, 4))
+        opening = draw(2)
+        responses = [opening + draw(5), opening + draw(3), draw(1), opening + draw(4)]
+        responses.append(responses[0][:4])  # a row that is a prefix of another row
+        for response in responses:
+            sequences.append(prompt + response)
+            prompts.append(len(prompt))
+    tree = tree_2_2(rng)
+    for response, row_ends in zip(tree.responses, tree.ends):
+        sequences.append(preamble + tree.prompt + response[: row_ends[-1]])
+        prompts.append(len(preamble) + len(tree.prompt))
+    for _ in range(2):
+        sequences.append([0, 0, 0, 0])
+        prompts.append(3)
+    alone = draw(6)
+    sequences.append(alone)
+    prompts.append(2)
+    order = list(range(len(sequences)))
+    rng.shuffle(order)
+    return [sequences[i] for i in order], [prompts[i] for i in order]
+
+
+def distinct_prefixes(sequences) -> int:
+    return len({tuple(s[: i + 1]) for s in sequences for i in range(len(s))})
+
+
+def split_rows(sequences, prompt_lengths):
+    """The per-row reference's inputs: prompts, responses and one segment end per row."""
+    prompts = [s[:p] for s, p in zip(sequences, prompt_lengths)]
+    responses = [s[p:] for s, p in zip(sequences, prompt_lengths)]
+    return prompts, responses, [[len(r)] for r in responses]
+
+
+def test_pack_sequences_shares_every_common_prefix_once():
+    sequences, prompt_lengths = mixed_rows(random.Random(4))
+    packed = pack_sequences(sequences, prompt_lengths)
+    assert packed.num_packed_tokens == distinct_prefixes(sequences)
+    assert packed.num_row_tokens == sum(map(len, sequences))
+    assert packed.num_packed_tokens < 0.6 * packed.num_row_tokens
+    assert all(int(packed.node_parents[k]) < k for k in range(1, packed.num_nodes))
+    for b, (sequence, prompt_length) in enumerate(zip(sequences, prompt_lengths)):
+        index = packed.row_index[b, : len(sequence)]
+        assert packed.input_ids[index].tolist() == sequence
+        assert packed.position_ids[index].tolist() == list(range(len(sequence)))
+        assert packed.previous_position[index[1:]].tolist() == index[:-1].tolist()
+        assert packed.response_index[b, : len(sequence) - prompt_length].tolist() == index[prompt_length:].tolist()
+        assert (packed.response_index[b, len(sequence) - prompt_length:] == -1).all()
+    # A tree's rows packed by their tokens share at least what their metadata says they share.
+    tree = tree_2_2(random.Random(8))
+    by_metadata = pack_tree(tree.prompt, tree.responses, tree.paths, tree.ends)
+    rows = [tree.prompt + r[: e[-1]] for r, e in zip(tree.responses, tree.ends)]
+    by_tokens = pack_sequences(rows, [len(tree.prompt)] * len(rows))
+    assert by_tokens.num_packed_tokens == distinct_prefixes(rows) <= by_metadata.num_packed_tokens
+    with pytest.raises(ValueError, match="prompt length 5 outside its 3 tokens"):
+        pack_sequences([[1, 2, 3]], [5])
+
+
+def test_pack_sequences_matches_rows_float64(exact_rmsnorm):
+    model = tiny_model(torch.float64, seed=4)
+    sequences, prompt_lengths = mixed_rows(random.Random(6))
+    packed = pack_sequences(sequences, prompt_lengths)
+    prompts, responses, ends = split_rows(sequences, prompt_lengths)
+    for temperature in (1.0, 0.7):
+        packed_lp = packed_row_log_probs(model, packed, temperature=temperature, chunk_tokens=5)
+        rows_lp = row_log_probs(model, prompts, responses, ends, packed.response_width, temperature=temperature)
+        assert (packed_lp - rows_lp).abs().max().item() < 1e-12
+    weights = torch.randn(packed_lp.shape, dtype=torch.float64,
+                          generator=torch.Generator().manual_seed(2)) * (packed.response_index >= 0)
+    diff, largest = grad_diff_of(model, packed_row_log_probs(model, packed), row_log_probs(
+        model, prompts, responses, ends, packed.response_width), weights)
+    assert largest > 1e-3 and diff < 1e-10
+
+
+def test_pack_sequences_in_bfloat16_is_as_close_to_float32_as_rows_are():
+    """bfloat16 (verl's GPU precision): the packed forward computes the same values in another order
+    (gathered keys, other matmul shapes), so it differs from the per-row bfloat16 forward by bfloat16
+    rounding, and from float32 by no more than the per-row bfloat16 forward does (within 1.5x)."""
+    model = tiny_model(torch.float32, seed=5)
+    sequences, prompt_lengths = mixed_rows(random.Random(7))
+    packed = pack_sequences(sequences, prompt_lengths)
+    prompts, responses, ends = split_rows(sequences, prompt_lengths)
+    valid = packed.response_index >= 0
+    reference = row_log_probs(model, prompts, responses, ends, packed.response_width)
+    model.to(torch.bfloat16)
+    packed_lp = packed_row_log_probs(model, packed)
+    rows_lp = row_log_probs(model, prompts, responses, ends, packed.response_width)
+    packed_error = (packed_lp - reference)[valid].abs().max().item()
+    rows_error = (rows_lp - reference)[valid].abs().max().item()
+    between = (packed_lp - rows_lp)[valid].abs().max().item()
+    print(f"bf16: packed-fp32 {packed_error:.3g}, rows-fp32 {rows_error:.3g}, packed-rows {between:.3g}")
+    assert rows_error > 1e-4  # bfloat16 really ran
+    assert packed_error < 1.5 * rows_error + 1e-3
+    assert between < 0.1

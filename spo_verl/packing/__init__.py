@@ -1,8 +1,8 @@
-"""Training an SPO tree in one forward (issue #11): pack the leaf rows of a tree into its unique tokens
-(:mod:`.tree_pack`), attend each segment to its ancestors only (:mod:`.cascade_attention`) and gather
-log-probs back into the per-row layout (:mod:`.packed_forward`). In verl: :mod:`.engine` switches the
-FSDP engine to packed forwards, :mod:`.verl_rows` reads the trees out of a verl batch and
-:mod:`.micro_batches` keeps them together under the token budget."""
+"""Every unique token once per forward: pack rows that share prefixes (a prompt and its responses, an
+SPO tree) into their unique tokens (:mod:`.tree_pack`), attend each run of tokens to its ancestors only
+(:mod:`.cascade_attention`) and gather log-probs back into the per-row layout (:mod:`.packed_forward`).
+In verl: :mod:`.engine` switches the FSDP engine to packed forwards, :mod:`.verl_rows` reads a verl
+micro-batch as rows and :mod:`.micro_batches` keeps each prompt's rows together under the token budget."""
 
 from spo_verl.packing.cascade_attention import (
     CASCADE_ATTENTION,
@@ -18,7 +18,7 @@ from spo_verl.packing.packed_forward import (
     packed_token_log_probs,
     packed_token_scores,
 )
-from spo_verl.packing.tree_pack import PackedTree, pack_forest, pack_tree
+from spo_verl.packing.tree_pack import PackedTree, pack_forest, pack_sequences, pack_tree
 
 __all__ = [
     "CASCADE_ATTENTION",
@@ -28,6 +28,7 @@ __all__ = [
     "cascade_attention_enabled",
     "cascade_attention_forward",
     "pack_forest",
+    "pack_sequences",
     "pack_tree",
     "packed_hidden_states",
     "packed_row_log_probs",

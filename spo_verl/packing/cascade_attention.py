@@ -1,4 +1,4 @@
-"""Tree ("cascade") attention over a packed SPO tree, as a transformers attention function (issue #11).
+"""Tree ("cascade") attention over packed rows, as a transformers attention function.
 
 In a :class:`~spo_verl.packing.tree_pack.PackedTree` a token may attend to its own node's earlier
 tokens and to every token of its ancestors -- the context it has in each leaf row that contains it.
@@ -57,9 +57,14 @@ class CascadeGroup:
     kv_index: torch.Tensor  # (G * kv_len,) packed positions of each node's path keys, node after node
     q_len: int
     kv_len: int
-    # Bottom-right causal (q_len x kv_len) as torch's CausalBias, which SDPA hands to its fused kernels
-    # (flash / memory-efficient on GPU) without building a mask; None when q_len == kv_len (plain causal).
-    mask: CausalBias | None
+
+    def mask(self) -> CausalBias | None:
+        """Bottom-right causal (q_len x kv_len) as torch's CausalBias, which SDPA hands to its fused
+        kernels (flash / memory-efficient on GPU) without building a mask; None when q_len == kv_len
+        (plain causal). Made at the call, never stored in the layout: the layout travels through the
+        model's forward keywords, and FSDP's mixed-precision input cast turns a CausalBias into a bare
+        tensor (``.to(bfloat16)`` keeps the class but drops its lengths and variant)."""
+        return None if self.q_len == self.kv_len else causal_lower_right(self.q_len, self.kv_len)
 
 
 @dataclass(frozen=True)
@@ -69,8 +74,8 @@ class CascadeLayout:
     num_tokens: int
 
     def to(self, device) -> "CascadeLayout":
-        groups = tuple(CascadeGroup(g.nodes.to(device), g.q_index.to(device), g.kv_index.to(device), g.q_len, g.kv_len,
-                                    g.mask) for g in self.groups)
+        groups = tuple(CascadeGroup(g.nodes.to(device), g.q_index.to(device), g.kv_index.to(device), g.q_len, g.kv_len)
+                       for g in self.groups)
         return CascadeLayout(groups, self.output_order.to(device), self.num_tokens)
 
 
@@ -98,10 +103,7 @@ def build_cascade_layout(packed: PackedTree, device: torch.device | str | None =
             holder = torch.searchsorted(chain_offsets, k.expand(nodes.numel(), kv_len).contiguous(), right=True) - 1
             kv_index = chain_starts.gather(1, holder) + k - chain_offsets.gather(1, holder)  # (G, kv_len)
             q_index = starts[nodes][:, None] + torch.arange(q_len)  # (G, q_len)
-            mask = None
-            if q_len != kv_len:
-                mask = causal_lower_right(q_len, kv_len)
-            groups.append(CascadeGroup(nodes, q_index.reshape(-1), kv_index.reshape(-1), q_len, kv_len, mask))
+            groups.append(CascadeGroup(nodes, q_index.reshape(-1), kv_index.reshape(-1), q_len, kv_len))
             pieces.append(q_index.reshape(-1))
     num_tokens = packed.num_packed_tokens
     output_order = torch.empty(num_tokens, dtype=torch.long)
@@ -146,11 +148,11 @@ def cascade_attention_forward(
         q = q_all.index_select(1, group.q_index).view(heads, count, group.q_len, head_dim).transpose(0, 1)
         k = k_all.index_select(1, group.kv_index).view(kv_heads, count, group.kv_len, head_dim).transpose(0, 1)
         v = v_all.index_select(1, group.kv_index).view(kv_heads, count, group.kv_len, head_dim).transpose(0, 1)
-        if group.mask is None:
+        mask = group.mask()
+        if mask is None:
             out = scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scaling, **gqa)
         else:
-            out = scaled_dot_product_attention(q, k, v, attn_mask=group.mask, dropout_p=dropout_p, scale=scaling,
-                                                 **gqa)
+            out = scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scaling, **gqa)
         outputs.append(out.transpose(1, 2).reshape(count * group.q_len, heads, head_dim))  # (G * q_len, H, D)
     attn_output = torch.cat(outputs, 0).index_select(0, layout.output_order)  # packed order
     return attn_output.unsqueeze(0), None

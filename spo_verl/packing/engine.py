@@ -1,11 +1,12 @@
-"""verl's FSDP language-model engine with SPO trees packed (``algorithm.spo.tree.packed_training``).
+"""verl's FSDP language-model engine with shared prefixes packed (``algorithm.spo.packed_training``).
 
 :func:`enable_packed_training` turns an engine built by verl (``FSDPEngineWithLMHead``, in the actor
 or reference worker) into one whose ``forward_step`` runs each micro-batch as one packed sequence:
-the rows of a micro-batch that belong to one SPO tree share their prompt and common segments, which
-are computed once (:mod:`spo_verl.packing.tree_pack`, :mod:`spo_verl.packing.cascade_attention`);
-every other row (SPO-chain, GRPO, verl's padding rows) is its own one-node tree, computed as before.
-Log-probs (and entropies) are gathered back into verl's no-padding row layout, so verl's loss, the
+every prefix that rows of the micro-batch share -- a GRPO group's prompt, an SPO tree's prompt and
+common segments, a few-shot preamble every prompt starts with, verl's identical padding rows -- is
+computed once (:mod:`spo_verl.packing.tree_pack`, :mod:`spo_verl.packing.cascade_attention`). This
+serves every algorithm alike, since nothing but the tokens decides what is shared. Log-probs (and
+entropies) are gathered back into verl's no-padding row layout, so verl's loss, SPO's loss, the
 trained-segment mask, old and reference log-probs and every metric stay as they are.
 
 What stays verl's: ``forward_backward_batch`` (token counts for the loss, micro-batching, gradient
@@ -13,8 +14,13 @@ accumulation, the backward pass) and the loss. The packed forward goes through t
 ``__call__`` (the instance ``forward`` of the causal LM is wrapped once), so FSDP's unshard and
 backward hooks run as for a per-row forward; the vocabulary projection is chunked inside it.
 
-Rows pack only with rows of the same micro-batch: how much is saved depends on how many leaves of a
-tree share one (``spo/packing/*`` metrics say it); the result does not.
+Where a micro-batch shares little (``packed tokens > max_token_ratio x row tokens``), packing would
+cost more than it saves, and that micro-batch runs verl's own per-row forward instead. The attention
+implementation is set per micro-batch, before its forward, and stays until the next one: verl runs a
+micro-batch's backward (and gradient checkpointing's replay) before the next forward.
+
+Rows pack only with rows of the same micro-batch: how much is saved depends on what shares one
+(``spo/packing/*`` metrics say it); the result does not.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from spo_verl.packing.verl_rows import micro_batch_forest
 __all__ = [
     "PACKED_FORWARD_KWARG",
     "PackedTrainingSettings",
-    "PackedTreeEngineMixin",
+    "PackedEngineMixin",
     "enable_packed_training",
     "micro_batch_forest",
     "to_verl_rows",
@@ -48,10 +54,13 @@ _INSTALLED = "__spo_packed_forward__"
 class PackedTrainingSettings:
     """``chunk_tokens``: hidden states projected to the vocabulary at a time (never full logits).
     ``check_updates``: in that many first training passes, also run every micro-batch per row (no
-    gradient) and report the largest differences as ``spo/packing/check/*`` metrics."""
+    gradient) and report the largest differences as ``spo/packing/check/*`` metrics.
+    ``max_token_ratio``: a micro-batch is packed only when its packed tokens are at most this share
+    of its row tokens; otherwise it runs verl's per-row forward (``spo/packing/per_row_micro_batches``)."""
 
     chunk_tokens: int = 4096
     check_updates: int = 0
+    max_token_ratio: float = 0.9
 
 
 @dataclass(frozen=True)
@@ -83,7 +92,7 @@ def _single_temperature(micro_batch) -> float:
     if isinstance(temperature, torch.Tensor):
         values = torch.unique(temperature.float().cpu())
         if values.numel() != 1:
-            raise ValueError(f"packed SPO-tree training needs one sampling temperature per micro-batch, got {values.tolist()}")
+            raise ValueError(f"packed training needs one sampling temperature per micro-batch, got {values.tolist()}")
         return float(values[0])
     return float(getattr(temperature, "data", temperature))
 
@@ -95,9 +104,9 @@ def _causal_lm(module: torch.nn.Module) -> torch.nn.Module:
     if isinstance(module, FullyShardedDataParallel):
         module = module.module
     if type(module).__name__.startswith("Peft"):
-        raise ValueError("algorithm.spo.tree.packed_training does not support LoRA (PEFT) models yet")
+        raise ValueError("algorithm.spo.packed_training does not support LoRA (PEFT) models yet")
     if module.get_output_embeddings() is None:
-        raise ValueError("algorithm.spo.tree.packed_training needs a causal LM with an output embedding (lm_head)")
+        raise ValueError("algorithm.spo.packed_training needs a causal LM with an output embedding (lm_head)")
     return module
 
 
@@ -120,11 +129,10 @@ def install_packed_forward(causal_lm: torch.nn.Module) -> None:
 
 
 @contextlib.contextmanager
-def _cascade_attention(causal_lm: torch.nn.Module):
-    # For the whole forward-backward: gradient checkpointing replays attention during backward.
+def _attention_restored(causal_lm: torch.nn.Module):
+    """Whatever attention implementation the micro-batches chose, the model's own one afterwards."""
     config = causal_lm.config
     previous = config._attn_implementation
-    config._attn_implementation = CASCADE_ATTENTION
     try:
         yield
     finally:
@@ -132,9 +140,9 @@ def _cascade_attention(causal_lm: torch.nn.Module):
 
 
 @contextlib.contextmanager
-def _tree_micro_batches():
+def _prompt_micro_batches():
     """verl's FSDP engine cuts micro-batches with the module-level ``prepare_micro_batches``; within
-    the packed engine's forward_backward_batch it keeps trees together instead."""
+    the packed engine's forward_backward_batch it keeps each uid's rows together instead."""
     from verl.workers.engine.fsdp import transformer_impl
 
     verl_function = transformer_impl.prepare_micro_batches
@@ -148,7 +156,7 @@ def _tree_micro_batches():
         transformer_impl.prepare_micro_batches = verl_function
 
 
-class PackedTreeEngineMixin:
+class PackedEngineMixin:
     """Put before verl's ``FSDPEngineWithLMHead`` in the MRO (see :func:`enable_packed_training`)."""
 
     spo_packing: PackedTrainingSettings
@@ -157,7 +165,7 @@ class PackedTreeEngineMixin:
         checking = not forward_only and self._spo_checks_left > 0
         self._spo_checking = checking
         try:
-            with _cascade_attention(_causal_lm(self.module)), _tree_micro_batches():
+            with _attention_restored(_causal_lm(self.module)), _prompt_micro_batches():
                 return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
         finally:
             self._spo_checking = False
@@ -181,6 +189,7 @@ class PackedTreeEngineMixin:
         mask = micro_batch["response_mask"].bool()
         if mask.is_nested:
             mask = mask.to_padded_tensor(False)
+        mask = mask.to(packed_output["model_output"]["log_probs"].device)
         row_lp = no_padding_2_padding(reference["model_output"]["log_probs"], micro_batch)
         packed_lp = no_padding_2_padding(packed_output["model_output"]["log_probs"], micro_batch)
         log_prob_diff = float((row_lp - packed_lp)[mask[:, : row_lp.shape[1]]].abs().max()) if mask.any() else 0.0
@@ -193,14 +202,35 @@ class PackedTreeEngineMixin:
     def forward_step(self, micro_batch, loss_function, forward_only):
         from verl.utils import tensordict_utils as tu
         from verl.utils.dataset.dataset_utils import DatasetPadMode
-        from verl.utils.device import get_device_id, get_device_name
         from verl.utils.metric import Metric
-        from verl.workers.engine.fsdp.transformer_impl import detach_tree
 
         pad_mode = tu.get_non_tensor_data(data=micro_batch, key="pad_mode", default=DatasetPadMode.NO_PADDING)
         if pad_mode != DatasetPadMode.NO_PADDING:
-            raise ValueError(f"algorithm.spo.tree.packed_training needs verl's no-padding layout, got pad_mode={pad_mode}")
+            raise ValueError(f"algorithm.spo.packed_training needs verl's no-padding layout, got pad_mode={pad_mode}")
         packed = micro_batch_forest(micro_batch)
+        causal_lm = _causal_lm(self.module)
+        if packed.num_packed_tokens > self.spo_packing.max_token_ratio * packed.num_row_tokens:
+            causal_lm.config._attn_implementation = self._spo_row_attention
+            loss, output = super().forward_step(micro_batch, loss_function=loss_function, forward_only=forward_only)
+            computed, per_row = packed.num_row_tokens, 1
+        else:
+            causal_lm.config._attn_implementation = CASCADE_ATTENTION
+            loss, output = self._packed_forward_step(micro_batch, packed, loss_function, forward_only)
+            computed, per_row = packed.num_packed_tokens, 0
+        metrics = output["metrics"] = dict(output["metrics"])
+        metrics["spo/packing/packed_tokens"] = Metric("sum", computed)
+        metrics["spo/packing/unique_tokens"] = Metric("sum", packed.num_packed_tokens)
+        metrics["spo/packing/row_tokens"] = Metric("sum", packed.num_row_tokens)
+        metrics["spo/packing/per_row_micro_batches"] = Metric("sum", per_row)
+        if getattr(self, "_spo_checking", False) and loss_function is not None and not per_row:
+            metrics.update(self._per_row_check(micro_batch, loss_function, output))
+        return loss, output
+
+    def _packed_forward_step(self, micro_batch, packed: PackedTree, loss_function, forward_only):
+        from verl.utils import tensordict_utils as tu
+        from verl.utils.device import get_device_id, get_device_name
+        from verl.workers.engine.fsdp.transformer_impl import detach_tree
+
         micro_batch = micro_batch.to(get_device_id())
         with_entropy = bool(tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False))
         request = _PackedRequest(packed.to(get_device_id()), _single_temperature(micro_batch),
@@ -221,13 +251,7 @@ class PackedTreeEngineMixin:
                 if not forward_only:
                     raise ValueError("a training step needs a loss function")
                 loss, metrics = torch.tensor(1.0, device=get_device_name()), {}
-        metrics = dict(metrics)
-        metrics["spo/packing/packed_tokens"] = Metric("sum", packed.num_packed_tokens)
-        metrics["spo/packing/row_tokens"] = Metric("sum", packed.num_row_tokens)
-        output = {"model_output": detach_tree(model_output), "loss": loss.detach().item(), "metrics": metrics}
-        if getattr(self, "_spo_checking", False) and loss_function is not None:
-            metrics.update(self._per_row_check(micro_batch, loss_function, output))
-        return loss, output
+        return loss, {"model_output": detach_tree(model_output), "loss": loss.detach().item(), "metrics": metrics}
 
 
 def enable_packed_training(engine: Any, settings: PackedTrainingSettings) -> None:
@@ -235,16 +259,16 @@ def enable_packed_training(engine: Any, settings: PackedTrainingSettings) -> Non
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
 
     if not isinstance(engine, FSDPEngineWithLMHead) or isinstance(engine, FSDPEngineWithValueHead):
-        raise ValueError(f"algorithm.spo.tree.packed_training needs verl's FSDP language-model engine, got "
+        raise ValueError(f"algorithm.spo.packed_training needs verl's FSDP language-model engine, got "
                          f"{type(engine).__name__}")
     if getattr(engine, "ulysses_sequence_parallel_size", 1) > 1:
-        raise ValueError("algorithm.spo.tree.packed_training does not support ulysses_sequence_parallel_size > 1")
+        raise ValueError("algorithm.spo.packed_training does not support ulysses_sequence_parallel_size > 1")
     register_cascade_attention()
     causal_lm = _causal_lm(engine.module)
     install_packed_forward(causal_lm)
-    if not isinstance(engine, PackedTreeEngineMixin):
+    if not isinstance(engine, PackedEngineMixin):
         base = type(engine)
-        engine.__class__ = type(f"SPOPacked{base.__name__}", (PackedTreeEngineMixin, base), {})
+        engine.__class__ = type(f"SPOPacked{base.__name__}", (PackedEngineMixin, base), {})
         engine._spo_row_attention = causal_lm.config._attn_implementation  # what the per-row check runs
     engine.spo_packing = settings
     engine._spo_checks_left = settings.check_updates

@@ -142,9 +142,13 @@ def packed_token_scores(
         return empty, (empty.clone() if with_entropy else None)
     hidden = packed_hidden_states(model, packed, layout)
     device = hidden.device
-    depth_of_token = packed.node_depths[packed.node_of_token]
-    targets = (depth_of_token > 0).nonzero().squeeze(1)  # every response token of the forest, once
-    sources = packed.previous_position[targets]
+    # Every packed token that is some row's response token, once (a shared prompt token is not scored).
+    scored = packed.response_index[packed.response_index >= 0]
+    targets = torch.unique(scored.cpu()) if scored.numel() else scored.new_zeros(0)
+    sources = packed.previous_position.cpu()[targets]
+    if bool((sources < 0).any()):
+        raise ValueError("a row's first token is scored as a response token: every row needs a prompt of at least one token")
+    targets, sources = targets.to(packed.input_ids.device), sources.to(packed.input_ids.device)
     target_ids = packed.input_ids[targets].to(device)
     targets, sources = targets.to(device), sources.to(device)
     if checkpoint_chunks is None:

@@ -1,39 +1,45 @@
-"""Pack SPO trees (given as per-leaf rows) into one sequence of unique tokens (issue #11).
+"""Pack rows that share prefixes into one sequence of unique tokens.
 
-verl trains each leaf of an SPO tree as its own row: prompt + every segment on the leaf's path. A
-segment shared by ``k`` leaves is therefore forwarded and back-propagated ``k`` times. Here the rows
-of a tree are folded back into the tree: the prompt once, then each node's segment once, parents
-before children (depth-first, children in order of first appearance in the rows). Each packed token
-keeps as position id its position on its own root-to-token path, so with attention restricted to
-ancestors (:mod:`spo_verl.packing.cascade_attention`) every packed token sees exactly the context it
-has in any row that contains it, and its hidden state equals that row's hidden state.
+verl trains every response as its own row: prompt + response. A prefix shared by ``k`` rows -- the
+prompt of a GRPO group, the common segments of an SPO tree, a few-shot preamble common to every
+prompt -- is therefore forwarded and back-propagated ``k`` times. Here the rows are folded back into
+a forest: each shared run of tokens once, parents before children (depth-first, children in order of
+first appearance in the rows). Each packed token keeps as position id its position on its own
+root-to-token path, so with attention restricted to ancestors
+(:mod:`spo_verl.packing.cascade_attention`) every packed token sees exactly the context it has in any
+row that contains it, and its hidden state equals that row's hidden state.
+
+Two builders make the same :class:`PackedTree`: :func:`pack_sequences` finds the shared prefixes in
+the tokens themselves (a radix trie over the rows; what verl's engine uses, for every algorithm), and
+:func:`pack_forest` / :func:`pack_tree` take SPO trees as described by their metadata (tree, node
+path, segment ends) and check that the rows agree with it.
 
 What a :class:`PackedTree` holds, besides the packed tokens and position ids:
 
-* per node (prompts are the depth-0 nodes, one per tree): its span in the packed sequence, parent,
+* per node (roots are the depth-0 nodes, one per tree): its span in the packed sequence, parent,
   depth, tree and its root-to-node ancestor chain (:attr:`PackedTree.node_ancestors`);
 * per packed token: the packed position of the token before it on its path
   (:attr:`PackedTree.previous_position`), which is where its log-prob is predicted from -- the last
   token of a node is followed by a different token in each child, so "next token" is not a property
   of a packed position, while "previous token" is;
-* per leaf row: the packed position of each of its (prompt + response) positions
+* per row: the packed position of each of its (prompt + response) positions
   (:attr:`PackedTree.row_index`) and of each response token (:attr:`PackedTree.response_index`), so
   anything computed per packed token (log-probs, hidden states) is gathered back into the per-row
   layout exactly.
 
-Padding rows (tree id / path ``None``) own no tokens; tokens of a row's response beyond its last
+Rows without tokens own none; in :func:`pack_forest` tokens of a row's response beyond its last
 segment end are padding and are ignored; a node that is a leaf above the last depth (early EOS) is
-just a node without children. Pure Python + torch; no verl import.
+just a node without children. Pure Python + numpy + torch; no verl import.
 """
-
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-__all__ = ["PackedTree", "pack_tree", "pack_forest"]
+__all__ = ["PackedTree", "pack_forest", "pack_sequences", "pack_tree"]
 
 
 @dataclass(frozen=True)
@@ -211,15 +217,100 @@ def pack_forest(
         row_nodes.append(nodes)
         row_lengths.append(ends[-1])
 
-    width = max(row_lengths, default=0) if response_width is None else int(response_width)
-    if max(row_lengths, default=0) > width:
-        raise ValueError(f"a row has {max(row_lengths)} response tokens, more than response_width={width}")
+    prompt_nodes = [node_index[(tree_id, None, "prompt")] if tree_id is not None else None for tree_id in tree_ids]
+    chains = [[] if prompt is None else [prompt, *nodes] for prompt, nodes in zip(prompt_nodes, row_nodes)]
+    prompt_lengths = [0 if prompt is None else len(node_tokens[prompt]) for prompt in prompt_nodes]
+    return _assemble(node_parent, node_tokens, node_tree, children, chains, prompt_lengths, row_lengths,
+                     response_width, tuple(tree_index))
+
+
+def pack_sequences(
+    sequences: Sequence[Sequence[int] | torch.Tensor],
+    prompt_lengths: Sequence[int],
+    response_width: int | None = None,
+) -> PackedTree:
+    """Pack rows given only as token sequences (prompt then response): every prefix that several rows
+    share is one run of packed tokens (a radix trie over the rows), whatever made them share it -- an
+    SPO tree's segments, the ``rollout.n`` responses of one prompt, a few-shot preamble common to all
+    prompts, verl's identical padding rows. Exact for a causal LM: a token's hidden state depends only
+    on the tokens before it and their positions, which are the same in every row holding that prefix.
+
+    A "tree" here is a set of rows that share at least their first token; ``prompt_lengths[b]`` says
+    where row ``b``'s response starts (for :attr:`PackedTree.response_index`). Rows of length 0 own
+    no tokens."""
+    if len(sequences) != len(prompt_lengths):
+        raise ValueError("pack_sequences needs one prompt length per sequence")
+    rows = [np.asarray(_as_list(sequence), dtype=np.int64) for sequence in sequences]
+    lengths = [int(row.size) for row in rows]
+    response_lengths = []
+    for row, (length, prompt_length) in enumerate(zip(lengths, prompt_lengths)):
+        if not 0 <= int(prompt_length) <= length:
+            raise ValueError(f"row {row}: prompt length {prompt_length} outside its {length} tokens")
+        response_lengths.append(length - int(prompt_length))
+
+    node_parent: list[int] = []
+    node_tokens: list[list[int]] = []
+    node_tree: list[int] = []
+    children: list[list[int]] = []
+    chains: list[list[int]] = [[] for _ in rows]
+    trees = 0
+    # (parent node, position where the members' paths part, member rows): members agree before it.
+    work = [(-1, 0, [row for row, length in enumerate(lengths) if length > 0])]
+    while work:
+        parent, start, members = work.pop()
+        groups: dict[int, list[int]] = {}
+        for row in members:
+            groups.setdefault(int(rows[row][start]), []).append(row)
+        for group in groups.values():
+            first = rows[group[0]]
+            shared = min(lengths[row] for row in group) - start
+            for row in group[1:]:
+                differ = np.flatnonzero(first[start:start + shared] != rows[row][start:start + shared])
+                if differ.size:
+                    shared = int(differ[0])
+            node = len(node_parent)
+            node_parent.append(parent)
+            node_tokens.append(first[start:start + shared].tolist())
+            if parent < 0:
+                node_tree.append(trees)
+                trees += 1
+            else:
+                node_tree.append(node_tree[parent])
+                children[parent].append(node)
+            children.append([])
+            for row in group:
+                chains[row].append(node)
+            going_on = [row for row in group if lengths[row] > start + shared]
+            if going_on:
+                work.append((node, start + shared, going_on))
+    return _assemble(node_parent, node_tokens, node_tree, children, chains, [int(p) for p in prompt_lengths],
+                     response_lengths, response_width, tuple(range(trees)))
+
+
+def _assemble(
+    node_parent: list[int],
+    node_tokens: list[list[int]],
+    node_tree: list[int],
+    children: list[list[int]],
+    chains: list[list[int]],
+    prompt_lengths: list[int],
+    response_lengths: list[int],
+    response_width: int | None,
+    tree_keys: tuple,
+) -> PackedTree:
+    """The :class:`PackedTree` of a node graph: nodes (parent, tokens, tree, children in order), and
+    per row its chain of nodes from its tree's root down (empty for a row that owns no token), whose
+    tokens are exactly the row's prompt and response."""
+    batch = len(chains)
+    width = max(response_lengths, default=0) if response_width is None else int(response_width)
+    if max(response_lengths, default=0) > width:
+        raise ValueError(f"a row has {max(response_lengths)} response tokens, more than response_width={width}")
 
     # Depth-first order, parents before children, tree after tree; spans and path positions.
     num_nodes = len(node_parent)
     order: list[int] = []
-    for prompt_node in [k for k in range(num_nodes) if node_parent[k] == -1]:
-        stack = [prompt_node]
+    for root in [k for k in range(num_nodes) if node_parent[k] == -1]:
+        stack = [root]
         while stack:
             node = stack.pop()
             order.append(node)
@@ -267,7 +358,7 @@ def pack_forest(
         current = torch.where(node_parents[current] >= 0, node_parents[current], current)
         level = level - 1
 
-    tree_spans = torch.zeros(len(tree_prompts), 2, **long)
+    tree_spans = torch.zeros(len(tree_keys), 2, **long)
     for k in range(num_nodes):
         if parents[k] < 0:
             tree_spans[trees[k], 0] = starts[k]
@@ -275,23 +366,24 @@ def pack_forest(
 
     # Per-row gather tables.
     row_tree = torch.full((batch,), -1, **long)
-    prompt_lengths = torch.zeros(batch, **long)
-    response_lengths = torch.tensor(row_lengths, **long)
-    row_width = max((len(tree_prompts[tree_index[tree_ids[b]]]) + row_lengths[b] for b in range(batch)
-                     if tree_ids[b] is not None), default=0)
+    row_prompt_lengths = torch.zeros(batch, **long)
+    row_response_lengths = torch.zeros(batch, **long)
+    row_width = max((prompt_lengths[b] + response_lengths[b] for b in range(batch) if chains[b]), default=0)
     row_index = torch.full((batch, row_width), -1, **long)
     response_index = torch.full((batch, width), -1, **long)
     for row in range(batch):
-        if tree_ids[row] is None:
+        if not chains[row]:
             continue
-        tree = tree_index[tree_ids[row]]
-        row_tree[row] = tree
-        chain = [int(node_parents[new_of[row_nodes[row][0]]])] + [new_of[n] for n in row_nodes[row]]
-        spans = [torch.arange(starts[k], starts[k] + lengths[k]) for k in chain]
-        prompt_lengths[row] = lengths[chain[0]]
-        flat = torch.cat(spans)
+        chain = [new_of[node] for node in chains[row]]
+        row_tree[row] = trees[chain[0]]
+        row_prompt_lengths[row] = prompt_lengths[row]
+        row_response_lengths[row] = response_lengths[row]
+        flat = torch.cat([torch.arange(starts[k], starts[k] + lengths[k]) for k in chain])
+        if flat.numel() != prompt_lengths[row] + response_lengths[row]:
+            raise AssertionError(f"row {row}: its nodes hold {flat.numel()} tokens, the row has "
+                                 f"{prompt_lengths[row] + response_lengths[row]}")
         row_index[row, : flat.numel()] = flat
-        response_index[row, : row_lengths[row]] = flat[lengths[chain[0]]:]
+        response_index[row, : response_lengths[row]] = flat[prompt_lengths[row]:]
 
     return PackedTree(
         input_ids=input_ids,
@@ -305,10 +397,10 @@ def pack_forest(
         node_tree=torch.tensor(trees, **long),
         node_ancestors=ancestors,
         row_tree=row_tree,
-        row_prompt_lengths=prompt_lengths,
-        row_response_lengths=response_lengths,
+        row_prompt_lengths=row_prompt_lengths,
+        row_response_lengths=row_response_lengths,
         row_index=row_index,
         response_index=response_index,
         tree_token_spans=tree_spans,
-        tree_keys=tuple(tree_index),
+        tree_keys=tree_keys,
     )

@@ -29,9 +29,14 @@ def start_process_group() -> None:
 
 
 def build_actor_worker(model_dir: str, *, micro_batch_size: int, gradient_checkpointing: bool = True,
-                       use_dynamic_bsz: bool = False, max_token_len: int = 4096, policy_loss: str = "vanilla"):
-    """verl's actor ``TrainingWorker`` (fp32 FSDP2 engine, padded attention as on CPU) and verl's
-    ``ppo_loss`` for it, configured from verl's own ``ppo_trainer`` defaults."""
+                       use_dynamic_bsz: bool = False, max_token_len: int = 4096, policy_loss: str = "vanilla",
+                       mixed_precision: str = "fp32"):
+    """verl's actor ``TrainingWorker`` (FSDP2 engine, fp32 weights, padded attention as on CPU) and
+    verl's ``ppo_loss`` for it, configured from verl's own ``ppo_trainer`` defaults.
+    ``mixed_precision``: ``fp32`` computes in float32; ``verl`` keeps verl's default FSDP mixed
+    precision (bfloat16 parameters in the forward and backward, float32 gradient reduction), as on a GPU."""
+    if mixed_precision not in ("fp32", "verl"):
+        raise ValueError(f"mixed_precision must be 'fp32' or 'verl', got {mixed_precision!r}")
     from functools import partial
 
     from verl.utils.config import omega_conf_to_dataclass
@@ -46,7 +51,7 @@ def build_actor_worker(model_dir: str, *, micro_batch_size: int, gradient_checkp
         f"actor_rollout_ref.model.path={model_dir}",
         "actor_rollout_ref.actor.strategy=fsdp2",
         "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32",
-        f"+actor_rollout_ref.actor.fsdp_config.mixed_precision={fp32}",
+        *([f"+actor_rollout_ref.actor.fsdp_config.mixed_precision={fp32}"] if mixed_precision == "fp32" else []),
         "actor_rollout_ref.model.use_remove_padding=false",
         f"actor_rollout_ref.model.enable_gradient_checkpointing={str(gradient_checkpointing).lower()}",
         "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
@@ -75,12 +80,15 @@ def build_actor_worker(model_dir: str, *, micro_batch_size: int, gradient_checkp
 def tree_training_batch(trees: Sequence, *, pad_token_id: int, response_length: int, rng: random.Random,
                         plain_rows: int = 0, padding_rows: int = 0, vocab: int = 61, temperature: float = 1.0,
                         micro_batch_size: int | None = None, use_dynamic_bsz: bool = False,
-                        max_token_len: int = 4096, calculate_entropy: bool = False):
+                        max_token_len: int = 4096, calculate_entropy: bool = False, groups: int = 0,
+                        group_size: int = 4):
     """An actor batch in verl's no-padding layout: every leaf row of ``trees``
-    (:class:`spo_verl.testing.random_trees.Tree`) with its ``spo`` metadata and uid, then
-    ``plain_rows`` rows without metadata (GRPO-like) and ``padding_rows`` rows as verl's batch
-    padding makes them (EOS tokens, uid ``pad...``, the first row's metadata copied, nothing trained).
-    Old log-probs and advantages are random; the response mask trains every token."""
+    (:class:`spo_verl.testing.random_trees.Tree`) with its ``spo`` metadata and uid; then ``groups``
+    prompt groups as GRPO, PPO and SPO-chain batches hold them (``group_size`` responses of one prompt
+    under one uid, prompts opening with a preamble common to all groups, responses sharing their
+    first tokens, one early EOS per group); ``plain_rows`` rows of their own; ``padding_rows`` rows as
+    verl's batch padding makes them (EOS tokens, uid ``pad...``, the first row's metadata copied,
+    nothing trained). Old log-probs and advantages are random; the response mask trains every token."""
     from tensordict import NonTensorStack
     from verl.utils import tensordict_utils as tu
 
@@ -93,6 +101,16 @@ def tree_training_batch(trees: Sequence, *, pad_token_id: int, response_length: 
             responses.append(response)
             metadata.append({"tree_id": f"tree{index}", "path": list(path), "segment_ends": list(ends)})
             uids.append(f"uid{index}")
+    preamble = [rng.randrange(vocab) for _ in range(5)]
+    for group in range(groups):
+        prompt = preamble + [rng.randrange(vocab) for _ in range(rng.randint(1, 4))]
+        opening = [rng.randrange(vocab) for _ in range(2)]
+        for member in range(group_size):
+            length = 1 if member == 1 else rng.randint(3, response_length)  # member 1: an early EOS
+            prompts.append(prompt)
+            responses.append((opening + [rng.randrange(vocab) for _ in range(length)])[:length])
+            metadata.append({"kind": "group"})
+            uids.append(f"group{group}")
     for row in range(plain_rows):
         prompts.append([rng.randrange(vocab) for _ in range(rng.randint(2, 6))])
         responses.append([rng.randrange(vocab) for _ in range(rng.randint(1, response_length))])

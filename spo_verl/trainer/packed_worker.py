@@ -1,5 +1,5 @@
-"""``algorithm.spo.tree.packed_training`` in verl's trainers: verl's actor/rollout/reference worker
-with one more call that switches its actor and reference engines to packed SPO-tree forwards
+"""``algorithm.spo.packed_training`` in verl's trainers: verl's actor/rollout/reference worker
+with one more call that switches its actor and reference engines to packed forwards
 (:func:`spo_verl.packing.engine.enable_packed_training`).
 
 Both trainers build the worker from ``ray.remote(ActorRolloutRefWorker)`` in their role mapping;
@@ -38,10 +38,12 @@ class SPOActorRolloutRefWorker(ActorRolloutRefWorker):
 
 
 def packed_training_settings(config: Any) -> PackedTrainingSettings | None:
-    tree = parse_spo_settings(config.algorithm.get("spo")).tree
-    if not tree.packed_training:
+    settings = parse_spo_settings(config.algorithm.get("spo"))
+    if not settings.packed_training:
         return None
-    return PackedTrainingSettings(chunk_tokens=tree.packed_chunk_tokens, check_updates=int(tree.packed_training_check))
+    return PackedTrainingSettings(chunk_tokens=settings.packed_chunk_tokens,
+                                  check_updates=int(settings.packed_training_check),
+                                  max_token_ratio=settings.packed_max_token_ratio)
 
 
 def use_packed_worker(role_worker_mapping: dict, config: Any) -> bool:
@@ -55,7 +57,7 @@ def use_packed_worker(role_worker_mapping: dict, config: Any) -> bool:
             role_worker_mapping[role] = ray.remote(SPOActorRolloutRefWorker)
             swapped = True
     if not swapped:
-        raise RuntimeError("algorithm.spo.tree.packed_training: verl's trainer no longer maps a role to "
+        raise RuntimeError("algorithm.spo.packed_training: verl's trainer no longer maps a role to "
                            "engine_workers.ActorRolloutRefWorker; the packed worker cannot be put in its place")
     return True
 
@@ -73,5 +75,5 @@ def enable_packed_training_on(worker_groups: list[Any], config: Any) -> list[str
         seen.add(id(group))
         switched.extend(group.spo_enable_packed_training(settings)[0])
     if "actor" not in switched:
-        raise RuntimeError(f"algorithm.spo.tree.packed_training: no actor engine was switched (got {switched})")
+        raise RuntimeError(f"algorithm.spo.packed_training: no actor engine was switched (got {switched})")
     return switched

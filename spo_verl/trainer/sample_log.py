@@ -51,13 +51,12 @@ import torch
 
 from spo_verl.algorithms.masked_loss import probability_mask
 from spo_verl.algorithms.tree_rows import _build_forest
-from spo_verl.batch_context import TreeNodes
+from spo_verl.batch_context import TreeNodes, is_padding_uid
 from spo_verl.config import SampleLogSettings, SPOSettings, parse_spo_settings
 
 logger = logging.getLogger(__name__)
 
 SAMPLES_FILE = "samples.jsonl"
-PADDING_UID_PREFIX = "pad"  # verl's padding rows (as spo_verl.estimators)
 DIGITS = 6
 
 
@@ -82,7 +81,7 @@ def sample_log_settings(algorithm_config: Any) -> SampleLogSettings:
 
 
 def _usable(index: int, uids, lengths, rows, padding) -> bool:
-    if lengths[index] <= 0 or str(uids[index]).startswith(PADDING_UID_PREFIX):
+    if lengths[index] <= 0 or is_padding_uid(uids[index]):
         return False
     if padding is not None and padding[index]:
         return False

@@ -1,11 +1,12 @@
-"""v1's batch balancing for packed SPO-tree training: each tree's rows stay next to each other.
+"""v1's batch balancing for packed training: the rows of each prompt (uid) stay next to each other.
 
 verl's ``PPOTrainer._balance_batch`` reorders every row by sequence length to even out the tokens per
-data-parallel rank (Karmarkar-Karp over rows), which scatters the leaves of a tree over ranks and
-micro-batches, so a packed forward finds few rows of one tree together. With
-``algorithm.spo.tree.packed_training`` the SPO trainer orders rows tree by tree instead (padding rows
-last, as verl appends them) and cuts the batch into equal contiguous shares per rank, as verl's
-dispatch does: a tree is split only where a rank's share (or, inside the worker, a mini-batch) ends.
+data-parallel rank (Karmarkar-Karp over rows), which scatters a prompt's responses (a GRPO group, an
+SPO tree's leaves) over ranks and micro-batches, so a packed forward finds few rows that share a
+prompt. With ``algorithm.spo.packed_training`` the SPO trainer orders rows uid by uid instead
+(padding rows last, as verl appends them) and cuts the batch into equal contiguous shares per rank,
+as verl's dispatch does: a group is split only where a rank's share (or, inside the worker, a
+mini-batch) ends.
 The price is token balance across ranks, logged under the same metric names as verl's.
 """
 
@@ -21,7 +22,7 @@ __all__ = ["balance_keeping_trees", "tree_order"]
 
 
 def tree_order(uids: list[str]) -> list[int]:
-    """Row indices grouped by uid (one tree per uid), groups in order of first appearance."""
+    """Row indices grouped by uid (one prompt, or one SPO tree, per uid), groups in order of first appearance."""
     groups: dict[str, list[int]] = {}
     for row, uid in enumerate(uids):
         groups.setdefault(uid, []).append(row)
@@ -29,7 +30,7 @@ def tree_order(uids: list[str]) -> list[int]:
 
 
 def balance_keeping_trees(trainer: Any, batch, metrics: dict, logging_prefix: str):
-    """Drop-in for ``PPOTrainer._balance_batch`` that keeps trees contiguous (see the module doc)."""
+    """Drop-in for ``PPOTrainer._balance_batch`` that keeps each uid's rows contiguous (see the module doc)."""
     group = trainer.actor_rollout_wg
     if "actor" not in group._dispatch_info:
         group._dispatch_info["actor"] = group._query_dispatch_info("actor")

@@ -8,7 +8,7 @@
   set it also appends a few of the step's responses (segments, probabilities, advantages; one whole
   tree for spo_tree) to ``samples.jsonl`` there, for every algorithm (``spo_verl.trainer.sample_log``);
 * ``init`` installs SPO's actor loss (verl's ``ppo_loss`` plus the reference's masked KL);
-* with ``algorithm.spo.tree.packed_training``, ``_balance_batch`` keeps each tree's rows together
+* with ``algorithm.spo.packed_training``, ``_balance_batch`` keeps each prompt's rows together
   (``spo_verl.trainer.tree_balance``) and the actor/reference workers run packed forwards;
 * ``_update_actor`` sends only the trajectories that train at least one token to the actor (leaves
   whose segments are all trained elsewhere or all zero cost no forward/backward), padded and

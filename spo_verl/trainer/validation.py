@@ -49,15 +49,13 @@ def validate_spo_run(config: Any) -> None:
     if estimator == "spo_tree":
         check_tree_fits(settings.tree.branching, tree_segment_budgets(settings.tree), rollout.response_length, rollout.n)
 
-    if settings.tree.packed_training:
-        check_packed_training(config, estimator)
+    if settings.packed_training:
+        check_packed_training(config)
 
 
-def check_packed_training(config: Any, estimator: str) -> None:
-    """``algorithm.spo.tree.packed_training=true`` runs only where the packed forward equals verl's."""
-    key = "algorithm.spo.tree.packed_training=true"
-    if estimator != "spo_tree":
-        raise ValueError(f"{key} packs SPO trees and needs algorithm.adv_estimator=spo_tree (got {estimator})")
+def check_packed_training(config: Any) -> None:
+    """``algorithm.spo.packed_training=true`` runs only where the packed forward equals verl's."""
+    key = "algorithm.spo.packed_training=true"
     actor_ref = config.actor_rollout_ref
     for role in ("actor", "ref"):
         section = actor_ref.get(role, {})
