@@ -56,7 +56,7 @@ cluster_args=(
   actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16
 )
 
-# verl's real trainer on the CPU (VERL_CPU_NOTES.md): the spo_cpu platform, logical Ray GPUs, the
+# verl's real trainer on the CPU (spo_verl/cpu_platform/): the spo_cpu platform, logical Ray GPUs, the
 # FSDP2 engine on gloo computing in float32, verl's vLLM server on vLLM's CPU backend. Sets
 # setting_args, the model and data ($cpu_model, ... from the setting's builder) and the environment.
 cpu_setting_args() {
@@ -107,8 +107,23 @@ cpu_setting_args() {
     +ray_kwargs.ray_init.include_dashboard=false
     trainer.val_before_train=false
     trainer.resume_mode=disable                    # each run trains from the base model; resume_mode=auto resumes
+    # Each unique token once: a prompt and its responses (or an SPO tree) share one packed forward.
+    algorithm.spo.packed_training=true
   )
+  # float32 on both sides: vLLM's log-probs equal the actor's (spo/old_log_probs/probs_diff_max ~1e-5),
+  # so the old-log-prob pass is skipped (verl's bypass mode). Not on the legacy trainer, whose bypass
+  # mode replaces the policy loss (and SPO's probability mask) with its own.
+  if [[ "$legacy_trainer" == 0 ]]; then
+    setting_args+=(algorithm.rollout_correction.bypass_mode=true)
+  else
+    echo "spo: legacy trainer: old log-probs are recomputed (its bypass mode would replace SPO's loss)"
+  fi
 }
+
+legacy_trainer=0
+for argument in "$@"; do
+  [[ "$argument" == trainer.use_v1=false || "$argument" == trainer.use_v1=False ]] && legacy_trainer=1
+done
 
 case "$SETTING" in
   math-r1-1.5b)

@@ -79,6 +79,8 @@ CHECK = textwrap.dedent(
                        if k.startswith("spo/packing/") and "/check/" not in k},
             "check": {k.removeprefix("spo/packing/check/"): float(v.aggregate()) for k, v in metrics.items()
                       if k.startswith("spo/packing/check/")},
+            "probe": {k.removeprefix("spo/old_log_probs/"): float(v.aggregate()) for k, v in metrics.items()
+                      if k.startswith("spo/old_log_probs/")},
             "micro_batches": len(trained["loss"]),
             "row_tokens": int(data["input_ids"].offsets()[-1]),
             "sequences": [row.tolist() for row in data["input_ids"].unbind()],
@@ -147,7 +149,9 @@ CHECK = textwrap.dedent(
     tied_rows = run("one micro-batch", on_policy=True, engine=engine)
     enable_packed_training(engine, PackedTrainingSettings(chunk_tokens=7))
     tied_packed = run("one micro-batch", on_policy=True, engine=engine)
-    results["tied_head"] = compare(tied_rows, tied_packed)
+    results["tied_head"] = {**compare(tied_rows, tied_packed), "probe": tied_packed["probe"],
+                            "random_old_probe": packed["one micro-batch"]["probe"],
+                            "response_tokens": int(batch("one micro-batch")["response_mask"].sum())}
     print("RESULTS" + json.dumps(results))
     """
 )
@@ -198,6 +202,17 @@ def test_packed_engine_with_a_tied_output_head(results):
     """The output head is the input embedding (SmolLM2, the CPU default): the packed forward's chunked
     head runs inside the root module call, where FSDP2 holds that weight."""
     assert_float32_close(results["tied_head"])
+
+
+def test_first_mini_batch_compares_the_old_log_probs_with_the_actor(results):
+    """Before an update's first optimizer step the actor is the sampling policy: ``spo/old_log_probs/*``
+    say how far the batch's old log-probs are from it (the rollout's own, when verl's bypass mode
+    skips recomputing them) and on how many tokens the probability mask would differ."""
+    tied = results["tied_head"]
+    assert tied["probe"]["tokens"] == tied["response_tokens"] > 0
+    assert tied["probe"]["probs_diff_max"] < 1e-4 and tied["probe"]["prob_mask_flips"] == 0  # on policy
+    random_old = tied["random_old_probe"]  # the other cases' old log-probs are random
+    assert random_old["probs_diff_max"] > 0.1 and random_old["prob_mask_flips"] > 0
 
 
 def test_packed_engine_counts_its_tokens(results):

@@ -100,6 +100,11 @@ def test_rollout_n_follows_the_tree_shape():
         (["algorithm.spo.packed_training=yes"], r"algorithm\.spo\.packed_training must be true or false"),
         (["algorithm.spo.packed_chunk_tokens=0"], r"algorithm\.spo\.packed_chunk_tokens must be a positive integer, got 0"),
         (["+algorithm.spo.tree.packed_training=true"], r"algorithm\.spo\.tree\.packed_training is now algorithm\.spo\.packed_training"),
+        # verl's bypass mode (rollout log-probs as old log-probs) would swap SPO's loss out on the legacy trainer.
+        (["spo_algorithm=grpo_prob_mask", "trainer.use_v1=false", "algorithm.rollout_correction.bypass_mode=true"],
+         r"bypass_mode=true on the legacy trainer \(trainer\.use_v1=false\) replaces actor_rollout_ref\.actor\.policy_loss\.loss_mode=spo_prob_mask"),
+        (["algorithm.rollout_correction.bypass_mode=true", "actor_rollout_ref.rollout.calculate_log_probs=false"],
+         r"bypass_mode=true takes the rollout's log-probs as the old log-probs: set actor_rollout_ref\.rollout\.calculate_log_probs=true"),
     ],
 )
 def test_invalid_runs_fail_at_configuration_time(overrides, message):

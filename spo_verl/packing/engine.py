@@ -56,11 +56,13 @@ class PackedTrainingSettings:
     ``check_updates``: in that many first training passes, also run every micro-batch per row (no
     gradient) and report the largest differences as ``spo/packing/check/*`` metrics.
     ``max_token_ratio``: a micro-batch is packed only when its packed tokens are at most this share
-    of its row tokens; otherwise it runs verl's per-row forward (``spo/packing/per_row_micro_batches``)."""
+    of its row tokens; otherwise it runs verl's per-row forward (``spo/packing/per_row_micro_batches``).
+    ``prob_mask_threshold``: the probability mask's threshold, for the old-log-prob probe (below)."""
 
     chunk_tokens: int = 4096
     check_updates: int = 0
     max_token_ratio: float = 0.9
+    prob_mask_threshold: float = 0.9
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,43 @@ class PackedEngineMixin:
     """Put before verl's ``FSDPEngineWithLMHead`` in the MRO (see :func:`enable_packed_training`)."""
 
     spo_packing: PackedTrainingSettings
+    _spo_optimizer_steps = 0
+    _spo_steps_at_train_start = -1
+
+    def train_mode(self, **kwargs):
+        # verl's worker enters train mode once per actor update (all its mini-batches and epochs).
+        self._spo_steps_at_train_start = self._spo_optimizer_steps
+        return super().train_mode(**kwargs)
+
+    def optimizer_step(self):
+        self._spo_optimizer_steps += 1
+        return super().optimizer_step()
+
+    def _old_log_prob_probe(self, micro_batch, output: dict) -> dict:
+        """Before an update's first optimizer step the actor is the policy that sampled the batch, so
+        its log-probs should equal the batch's old log-probs: recomputed by the actor (verl's default)
+        or the rollout's own (``algorithm.rollout_correction.bypass_mode``, which skips verl's
+        rollout-vs-actor metrics). The largest probability gap and the tokens whose probability mask
+        (p < threshold) would differ, as ``spo/old_log_probs/*`` metrics of the first mini-batch."""
+        from verl.utils.metric import Metric
+        from verl.workers.utils.padding import no_padding_2_padding
+
+        if self._spo_optimizer_steps != self._spo_steps_at_train_start or "old_log_probs" not in micro_batch.keys():
+            return {}
+        actor = no_padding_2_padding(output["model_output"]["log_probs"], micro_batch).float()
+        old = micro_batch["old_log_probs"]
+        old = (old.to_padded_tensor(0.0) if old.is_nested else old).to(actor.device).float()[:, : actor.shape[1]]
+        mask = micro_batch["response_mask"]
+        mask = (mask.to_padded_tensor(0) if mask.is_nested else mask).to(actor.device).bool()[:, : actor.shape[1]]
+        if not mask.any():
+            return {}
+        threshold = self.spo_packing.prob_mask_threshold
+        actor_p, old_p = actor.exp()[mask], old.exp()[mask]
+        return {
+            "spo/old_log_probs/probs_diff_max": Metric("max", float((actor_p - old_p).abs().max())),
+            "spo/old_log_probs/prob_mask_flips": Metric("sum", int(((actor_p < threshold) != (old_p < threshold)).sum())),
+            "spo/old_log_probs/tokens": Metric("sum", int(mask.sum())),
+        }
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
         checking = not forward_only and self._spo_checks_left > 0
@@ -224,6 +263,8 @@ class PackedEngineMixin:
         metrics["spo/packing/per_row_micro_batches"] = Metric("sum", per_row)
         if getattr(self, "_spo_checking", False) and loss_function is not None and not per_row:
             metrics.update(self._per_row_check(micro_batch, loss_function, output))
+        if not forward_only:
+            metrics.update(self._old_log_prob_probe(micro_batch, output))
         return loss, output
 
     def _packed_forward_step(self, micro_batch, packed: PackedTree, loss_function, forward_only):

@@ -9,6 +9,7 @@ from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
 import spo_verl.register  # noqa: F401  (agent loops registered before they are looked up)
 from spo_verl.agent_loops.tree_agent_loop import check_tree_fits
 from spo_verl.config import parse_spo_settings, tree_segment_budgets
+from spo_verl.policy_loss import LOSS_NAME
 from spo_verl.trainer.common import SPO_AGENT_LOOPS, SPO_ESTIMATORS
 from spo_verl.trainer.v1 import TRAINER_MODE
 
@@ -51,6 +52,26 @@ def validate_spo_run(config: Any) -> None:
 
     if settings.packed_training:
         check_packed_training(config)
+    check_rollout_log_probs_as_old(config)
+
+
+def check_rollout_log_probs_as_old(config: Any) -> None:
+    """verl's ``algorithm.rollout_correction.bypass_mode`` takes the rollout's log-probs as the old
+    log-probs. The v1 trainer only skips the old-log-prob pass; the legacy trainer also replaces the
+    policy loss with its own ``bypass_mode`` loss, which would drop SPO's probability mask unseen."""
+    correction = config.algorithm.get("rollout_correction", None) or {}
+    if not correction.get("bypass_mode", False):
+        return
+    if not config.actor_rollout_ref.rollout.get("calculate_log_probs", False):
+        raise ValueError("algorithm.rollout_correction.bypass_mode=true takes the rollout's log-probs as the old "
+                         "log-probs: set actor_rollout_ref.rollout.calculate_log_probs=true")
+    loss_mode = config.actor_rollout_ref.actor.policy_loss.get("loss_mode", "vanilla")
+    if not config.trainer.get("use_v1", True) and loss_mode == LOSS_NAME:
+        raise ValueError(
+            f"algorithm.rollout_correction.bypass_mode=true on the legacy trainer (trainer.use_v1=false) replaces "
+            f"actor_rollout_ref.actor.policy_loss.loss_mode={LOSS_NAME} with verl's bypass_mode loss, which has no "
+            f"probability mask: set algorithm.rollout_correction.bypass_mode=false or trainer.use_v1=true"
+        )
 
 
 def check_packed_training(config: Any) -> None:
