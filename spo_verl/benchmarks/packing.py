@@ -1,4 +1,4 @@
-"""Packed SPO-tree training against per-row training (issue #11), through verl's own actor worker.
+"""Packed SPO-tree training against per-row training, through verl's own actor worker.
 
     python -m spo_verl.benchmarks.packing --json [--quick] [--threads N] [--repeats R]
 
@@ -57,6 +57,30 @@ QUICK_SHAPES = SHAPES[:1]
 SIDES = ("per-row", "packed")
 
 
+@dataclass(frozen=True)
+class GroupShape:
+    """One GRPO group: ``rows`` responses of ``response`` tokens each to one ``prompt``-token prompt
+    (nothing shared but the prompt): how much packing saves is all in the prompt's share."""
+
+    prompt: int
+    response: int
+    rows: int = 8
+
+    @property
+    def label(self) -> str:
+        return f"GRPO {self.rows} x ({self.prompt} + {self.response})"
+
+    @property
+    def packed_share(self) -> float:
+        """Packed tokens over row tokens."""
+        return (self.prompt + self.rows * self.response) / (self.rows * (self.prompt + self.response))
+
+
+# From the cluster's proportions (a ~150-token prompt under ~1,900-token responses, 8 a prompt: packed
+# 0.93 of the rows) to prompts as long as the responses (0.56); the crossover sets packed_max_token_ratio.
+GROUP_SHAPES = (GroupShape(16, 192), GroupShape(48, 160), GroupShape(96, 96))
+
+
 def shapes(quick: bool) -> tuple[Shape, ...]:
     return QUICK_SHAPES if quick else SHAPES
 
@@ -83,7 +107,8 @@ class Setup:
         for side in SIDES:
             worker, loss = build_actor_worker(model_dir, micro_batch_size=4096, gradient_checkpointing=True)
             self.engines[side], self.losses[side] = worker.engine, loss
-        enable_packed_training(self.engines["packed"], PackedTrainingSettings())
+        # Packs every micro-batch (no per-row fallback): the sweep measures where packing stops paying.
+        enable_packed_training(self.engines["packed"], PackedTrainingSettings(max_token_ratio=1.0))
         self.vocab = self.engines["per-row"].module.config.vocab_size
 
     def batch(self, shape: Shape):
@@ -94,6 +119,15 @@ class Setup:
         data = tree_training_batch(trees, pad_token_id=self.tokenizer.pad_token_id,
                                    response_length=shape.response_length, rng=random.Random(1), vocab=self.vocab)
         return trees, data
+
+    def group_batch(self, shape: GroupShape):
+        from spo_verl.testing.verl_engine import rows_training_batch
+
+        rng = random.Random(2)
+        prompt = [rng.randrange(self.vocab) for _ in range(shape.prompt)]
+        responses = [[rng.randrange(self.vocab) for _ in range(shape.response)] for _ in range(shape.rows)]
+        return rows_training_batch([prompt] * shape.rows, responses, ["group0"] * shape.rows,
+                                   pad_token_id=self.tokenizer.pad_token_id, response_length=shape.response, rng=rng)
 
     def update(self, side: str, data):
         """One actor update pass without the optimizer step: returns verl's output (metrics, losses)."""
@@ -148,6 +182,29 @@ def measure_timing(setup: Setup, quick: bool, repeats: int) -> list[dict]:
     return results
 
 
+def measure_group_sweep(setup: Setup, repeats: int) -> list[dict]:
+    """Per-row against packed on GRPO groups of decreasing prompt share (same engines, same pass)."""
+    from spo_verl.benchmarks.timing import compare
+
+    results = []
+    for shape in GROUP_SHAPES:
+        data = setup.group_batch(shape)
+        outputs: dict[str, list] = {side: [] for side in SIDES}
+
+        def call(side):
+            return lambda: outputs[side].append(setup.update(side, data))
+
+        comparison = compare(call("per-row"), call("packed"), repeats)
+        packed = {_metric(o["metrics"], "spo/packing/packed_tokens") for o in outputs["packed"]}
+        expected = shape.prompt + shape.rows * shape.response
+        if packed != {expected}:
+            raise AssertionError(f"{shape.label}: packed {sorted(packed)} tokens, expected {expected}")
+        results.append({"label": shape.label, "packed_share": shape.packed_share, "speedup": comparison.ratio,
+                        "speedup_spread": list(comparison.spread), "per_row_median_s": comparison.a_median,
+                        "packed_median_s": comparison.b_median})
+    return results
+
+
 def memory_cases(quick: bool) -> list[str]:
     return [f"{side}/{shape.label}" for shape in shapes(quick) for side in SIDES]
 
@@ -192,6 +249,7 @@ def main(argv=None) -> dict:
             return result
         repeats = args.repeats or (2 if args.quick else 7)
         timing = measure_timing(setup, args.quick, repeats)
+        sweep = [] if args.quick else measure_group_sweep(setup, repeats)
         module = setup.engines["per-row"].module
         config = module.config
         model = (f"tiny Qwen2 ({sum(p.numel() for p in module.parameters()):,} parameters, "
@@ -203,7 +261,7 @@ def main(argv=None) -> dict:
     for row in timing:
         row["peak_mib"] = {side: memory[f"{side}/{row['shape']}"]["peak_mib"] for side in SIDES}
     result = {"model": model, "threads": args.threads,
-              "repeats": repeats, "shapes": timing, "memory": memory}
+              "repeats": repeats, "shapes": timing, "group_sweep": sweep, "memory": memory}
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return result
 

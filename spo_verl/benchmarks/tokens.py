@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-#: The paper's MATH setting (SPO.md 5; docs/TREE_TRAINING_NOTES counts): ~150-token prompt, tree
+#: The paper's MATH setting (its section on R1-Distill-Qwen-1.5B on MATH): ~150-token prompt, tree
 #: 6-6-6, 600-token segments at the first two depths, ~300 tokens at the last.
 PAPER_PROMPT, PAPER_BRANCHING, PAPER_SEGMENTS, PAPER_PROMPTS_PER_STEP = 150, (6, 6, 6), (600, 600, 300), 32
 

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["start_process_group", "build_actor_worker", "tree_training_batch", "parameter_gradients"]
+__all__ = ["start_process_group", "build_actor_worker", "rows_training_batch", "tree_training_batch",
+           "parameter_gradients"]
 
 PADDING_PROMPT_TOKENS = 3
 
@@ -89,11 +90,6 @@ def tree_training_batch(trees: Sequence, *, pad_token_id: int, response_length: 
     first tokens, one early EOS per group); ``plain_rows`` rows of their own; ``padding_rows`` rows as
     verl's batch padding makes them (EOS tokens, uid ``pad...``, the first row's metadata copied,
     nothing trained). Old log-probs and advantages are random; the response mask trains every token."""
-    from tensordict import NonTensorStack
-    from verl.utils import tensordict_utils as tu
-
-    from spo_verl.testing.verl_harness import actor_batch
-
     prompts, responses, metadata, uids = [], [], [], []
     for index, tree in enumerate(trees):
         for path, ends, response in zip(tree.paths, tree.ends, tree.responses):
@@ -121,10 +117,30 @@ def tree_training_batch(trees: Sequence, *, pad_token_id: int, response_length: 
         responses.append([pad_token_id])
         metadata.append(dict(metadata[0]) if metadata else None)
         uids.append("pad5e1f")
+    return rows_training_batch(prompts, responses, uids, metadata, pad_token_id=pad_token_id,
+                               response_length=response_length, rng=rng, temperature=temperature,
+                               micro_batch_size=micro_batch_size, use_dynamic_bsz=use_dynamic_bsz,
+                               max_token_len=max_token_len, calculate_entropy=calculate_entropy)
+
+
+def rows_training_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], uids: Sequence[str],
+                        metadata: Sequence | None = None, *, pad_token_id: int, response_length: int,
+                        rng: random.Random, temperature: float = 1.0, micro_batch_size: int | None = None,
+                        use_dynamic_bsz: bool = False, max_token_len: int = 4096, calculate_entropy: bool = False):
+    """An actor batch in verl's no-padding layout from given rows (prompt and response token ids, uid,
+    ``spo`` metadata or None). Old log-probs and advantages are random; the response mask trains every
+    token except those of rows whose uid marks verl's padding."""
+    from tensordict import NonTensorStack
+    from verl.utils import tensordict_utils as tu
+
+    from spo_verl.batch_context import is_padding_uid
+    from spo_verl.testing.verl_harness import actor_batch
+
     batch = len(prompts)
+    metadata = list(metadata) if metadata is not None else [None] * batch
     mask = torch.zeros(batch, response_length)
     for row, response in enumerate(responses):
-        mask[row, : len(response)] = 0.0 if uids[row].startswith("pad") else 1.0
+        mask[row, : len(response)] = 0.0 if is_padding_uid(uids[row]) else 1.0
     generator = torch.Generator().manual_seed(rng.randrange(2**31))
     data = actor_batch(
         prompts, responses, pad_token_id, response_length,
