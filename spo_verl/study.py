@@ -1,0 +1,350 @@
+"""A learning study: SPO-tree, SPO-chain, GRPO and GRPO with the probability mask, several seeds each,
+every (algorithm, seed) its own verl run to the same budget of generated tokens, then one report.
+
+    bash scripts/compare.sh [--setting cpu-smollm2] [--algorithms spo_tree,grpo] [--seeds 0,1,2]
+                            [--token-budget 20000] [--lr 1e-5] [--val-every 5] [--max-steps 60]
+                            [--output-dir outputs/study] [--quick] [-- HYDRA_OVERRIDES...]
+
+Each run is the project's run script (``scripts/spo_launch.sh``) with the study's setting, in its own
+folder ``<output-dir>/<algorithm>/seed<k>/``. Running the command again skips finished runs (their
+``done.json``) and resumes unfinished ones from their last checkpoint (one is kept, written at every
+validation), with the generated tokens the earlier attempts spent up to that checkpoint taken off the
+budget; so a study survives a killed job and can be spread over several sittings. One progress line
+per step and one line per finished run are printed.
+
+Seeds: seed ``k`` sets verl's ``data.seed`` (the order the training prompts are drawn in: the same
+for every algorithm under one seed) and ``actor_rollout_ref.rollout.seed`` (vLLM's engine seed).
+vLLM's sampling is not reproducible request by request (verl seeds requests only under
+``full_determinism``, which would give a prompt's samples one seed), so two runs with one seed
+share their data order but not their samples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+ALGORITHMS = ("spo_tree", "spo_chain", "grpo", "grpo_prob_mask")
+SETTINGS = ("cpu-smollm2", "cpu-tiny", "gsm8k-rhomath-1.1b", "math-r1-1.5b")
+VALIDATION_KEY_PREFIX, VALIDATION_KEY_SUFFIX = "val-core/", "/acc/mean@1"
+GENERATED = "spo/generated_tokens"
+DONE_FILE, ATTEMPTS_FILE = "done.json", "attempts.json"
+
+
+@dataclass(frozen=True)
+class Study:
+    setting: str
+    algorithms: tuple[str, ...]
+    seeds: tuple[int, ...]
+    token_budget: int
+    max_steps: int
+    val_every: int
+    output_dir: Path
+    lr: float | None = None
+    overrides: tuple[str, ...] = ()
+
+
+# --quick: the whole pipeline on the tiny model in minutes (CI); the defaults: the CPU default's study.
+QUICK = dict(setting="cpu-tiny", algorithms=("spo_tree",), seeds=(0,), token_budget=500, max_steps=3, val_every=1)
+DEFAULTS = dict(setting="cpu-smollm2", algorithms=ALGORITHMS, seeds=(0, 1, 2), token_budget=20_000, max_steps=60,
+                val_every=5)
+
+
+def validation_accuracy(data: dict) -> float | None:
+    for key, value in sorted(data.items()):
+        if key.startswith(VALIDATION_KEY_PREFIX) and key.endswith(VALIDATION_KEY_SUFFIX):
+            return value
+    return None
+
+
+def progress_line(run: str, step: int, data: dict, spent: float, budget: int) -> str:
+    parts = [f"compare: {run:<20} step {step:>3}"]
+    if "critic/score/mean" in data:
+        parts.append(f"reward {data['critic/score/mean']:.3f}")
+    accuracy = validation_accuracy(data)
+    if accuracy is not None:
+        parts.append(f"held-out acc {accuracy:.3f}")
+    if GENERATED in data:
+        parts.append(f"generated {data[GENERATED]:,.0f} (total {spent:,.0f} of {budget:,})")
+    if "timing_s/step" in data:
+        parts.append(f"{data['timing_s/step']:.0f} s")
+    return ", ".join(parts)
+
+
+def read_metrics(path: Path) -> list[tuple[int, dict]]:
+    """verl's file logger: one JSON line per step (an unfinished last line is skipped)."""
+    steps = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            steps.append((int(record["step"]), record["data"]))
+    return steps
+
+
+@dataclass
+class RunFolder:
+    """One (algorithm, seed) of a study: its attempts' metric files, checkpoints and done marker."""
+
+    path: Path
+    attempts: list[dict] = field(default_factory=list)  # [{"metrics": file name, "resumed_from": step}]
+
+    @classmethod
+    def open(cls, path: Path) -> "RunFolder":
+        path.mkdir(parents=True, exist_ok=True)
+        attempts_file = path / ATTEMPTS_FILE
+        attempts = json.loads(attempts_file.read_text()) if attempts_file.exists() else []
+        return cls(path, attempts)
+
+    @property
+    def done(self) -> bool:
+        return (self.path / DONE_FILE).exists()
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    def checkpointed_step(self) -> int:
+        """The step of the last checkpoint verl completed (0: none)."""
+        marker = self.checkpoints / "latest_checkpointed_iteration.txt"
+        return int(marker.read_text().strip()) if marker.exists() else 0
+
+    def merged_steps(self) -> dict[int, dict]:
+        """Every step once, from the attempt that ran it last: a resumed attempt redoes the steps after
+        the checkpoint it resumed from, so an earlier attempt's steps past that point are dropped."""
+        merged: dict[int, dict] = {}
+        for attempt in self.attempts:
+            for step in [s for s in merged if s > attempt["resumed_from"]]:
+                del merged[step]
+            merged.update(read_metrics(self.path / attempt["metrics"]))
+        return dict(sorted(merged.items()))
+
+    def spent_until(self, step: int) -> float:
+        return sum(data.get(GENERATED, 0.0) for s, data in self.merged_steps().items() if 0 < s <= step)
+
+    def new_attempt(self, resumed_from: int) -> Path:
+        name = f"metrics-attempt{len(self.attempts) + 1}.jsonl"
+        self.attempts.append({"metrics": name, "resumed_from": resumed_from})
+        (self.path / ATTEMPTS_FILE).write_text(json.dumps(self.attempts, indent=1))
+        return self.path / name
+
+    def record_process(self, process_group: int) -> None:
+        self.attempts[-1]["process_group"] = process_group
+        (self.path / ATTEMPTS_FILE).write_text(json.dumps(self.attempts, indent=1))
+
+    def write_merged(self) -> Path:
+        """All steps in one metrics file (verl's format), with the cumulative token count recomputed."""
+        merged = self.path / "metrics.jsonl"
+        total = 0.0
+        with open(merged, "w") as out:
+            for step, data in self.merged_steps().items():
+                if step > 0:
+                    total += data.get(GENERATED, 0.0)
+                    data = {**data, "spo/generated_tokens_cumulative": total}
+                out.write(json.dumps({"step": step, "data": data}) + "\n")
+        return merged
+
+
+def _follow(process: subprocess.Popen, metrics: Path, name: str, spent: float, budget: int, poll_s: float = 2.0):
+    printed = 0
+    while True:
+        finished = process.poll() is not None
+        steps = read_metrics(metrics)
+        for step, data in steps[printed:]:
+            spent += data.get(GENERATED, 0.0) if step > 0 else 0.0
+            print(progress_line(name, step, data, spent, budget), flush=True)
+        printed = len(steps)
+        if finished:
+            return
+        time.sleep(poll_s)
+
+
+def _stop_run(process: subprocess.Popen, grace_s: float = 60.0) -> None:
+    """SIGTERM to the run's session, then wait until every process of it has ended (Ray's actors keep
+    writing metrics and checkpoints for a while after their driver got the signal); SIGKILL after
+    ``grace_s``."""
+    try:
+        tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    for survivor in psutil.wait_procs(tree, timeout=grace_s)[1]:
+        survivor.kill()
+    process.wait()
+
+
+def _wait_for_earlier_attempt(folder: "RunFolder", name: str, wait_s: float = 120.0) -> None:
+    """An earlier attempt's processes may still be ending (a study killed without its signal
+    handler): a second run in the same folder would race it for the checkpoints."""
+    pgid = folder.attempts[-1].get("process_group") if folder.attempts else None
+    deadline = time.monotonic() + wait_s
+    while pgid is not None and any(p.info["pid"] != os.getpid() and _in_group(p, pgid)
+                                   for p in psutil.process_iter(["pid"])):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"compare: {name}: processes of its previous attempt (process group {pgid}) are "
+                               f"still running; stop them (kill -- -{pgid}) and run the command again")
+        time.sleep(2)
+
+
+def _in_group(process: psutil.Process, pgid: int) -> bool:
+    try:
+        return os.getpgid(process.info["pid"]) == pgid
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def run_one(study: Study, algorithm: str, seed: int) -> bool:
+    """Train (or resume) one (algorithm, seed) run to the study's budget; True when it is done."""
+    name = f"{algorithm}/seed{seed}"
+    folder = RunFolder.open(study.output_dir / algorithm / f"seed{seed}")
+    if folder.done:
+        print(f"compare: {name}: finished earlier, skipped ({folder.path / DONE_FILE})", flush=True)
+        return True
+    _wait_for_earlier_attempt(folder, name)
+    resumed_from = folder.checkpointed_step()
+    spent = folder.spent_until(resumed_from)
+    remaining = max(1, int(study.token_budget - spent))
+    metrics = folder.new_attempt(resumed_from)
+    env = dict(
+        os.environ, SETTING=study.setting, ALGORITHM=algorithm, CLUSTER_SETTING="math-r1-1.5b",
+        EXPERIMENT_NAME=f"study-{algorithm}-seed{seed}", PROJECT_NAME="spo-study", VERL_FILE_LOGGER_PATH=str(metrics),
+        CHECKPOINT_DIR=str(folder.checkpoints), TENSORBOARD_DIR=str(folder.path / "tensorboard"),
+        TOTAL_TRAINING_STEPS=str(study.max_steps), TEST_FREQ=str(study.val_every), SAVE_FREQ=str(study.val_every),
+    )
+    command = [
+        "bash", str(REPO / "scripts" / "spo_launch.sh"),
+        f"algorithm.spo.generated_token_budget={remaining}",
+        f"algorithm.spo.sample_log.dir={folder.path}",
+        f"data.seed={seed}", f"actor_rollout_ref.rollout.seed={seed}",
+        f"trainer.val_before_train={str(resumed_from == 0).lower()}",  # step 0: the base model's accuracy
+        "trainer.resume_mode=auto", "trainer.max_actor_ckpt_to_keep=1",
+        *([f"actor_rollout_ref.actor.optim.lr={study.lr}"] if study.lr is not None else []),
+        *study.overrides,
+    ]
+    how = f"resuming from step {resumed_from} ({spent:,.0f} tokens spent)" if resumed_from else "training"
+    console = folder.path / f"console-attempt{len(folder.attempts)}.log"
+    print(f"compare: {name}: {how} (console: {console})", flush=True)
+    started = time.monotonic()
+    with open(console, "w") as out:
+        # Its own session, so that stopping the study stops the run's Ray and vLLM processes with it.
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        folder.record_process(process.pid)
+        try:
+            _follow(process, metrics, name, spent, study.token_budget)
+        except BaseException:
+            _stop_run(process)
+            raise
+    steps = folder.merged_steps()
+    if process.returncode != 0:
+        print(f"compare: {name}: exit code {process.returncode}; see {console}; rerun the command to resume", flush=True)
+        return False
+    folder.write_merged()
+    trained = [s for s in steps if s > 0]
+    summary = {"algorithm": algorithm, "seed": seed, "steps": max(trained, default=0),
+               "generated_tokens": folder.spent_until(max(trained, default=0)),
+               "final_held_out_accuracy": next((validation_accuracy(d) for s, d in reversed(steps.items())
+                                                if validation_accuracy(d) is not None), None),
+               "attempts": len(folder.attempts), "last_attempt_s": round(time.monotonic() - started)}
+    (folder.path / DONE_FILE).write_text(json.dumps(summary, indent=1))
+    shutil.rmtree(folder.checkpoints, ignore_errors=True)  # a finished run needs no checkpoint (GBs each)
+    print(f"compare: {name}: done: {summary['steps']} steps, {summary['generated_tokens']:,.0f} generated tokens, "
+          f"final held-out accuracy {summary['final_held_out_accuracy']}", flush=True)
+    return True
+
+
+def report(study: Study) -> int:
+    args = [sys.executable, "-m", "spo_verl.report", "--output", str(study.output_dir / "report"),
+            "--title", f"SPO vs GRPO, {study.setting}, {len(study.seeds)} seed(s)"]
+    for algorithm in study.algorithms:
+        for seed in study.seeds:
+            folder = study.output_dir / algorithm / f"seed{seed}"
+            if (folder / DONE_FILE).exists():
+                samples = folder / "samples.jsonl"
+                args += ["--run", f"{algorithm}/seed{seed}={folder / 'metrics.jsonl'}"
+                         + (f",{samples}" if samples.exists() else "")]
+    return subprocess.run(args, cwd=REPO).returncode
+
+
+def _csv(kind, text: str) -> tuple:
+    try:
+        return tuple(kind(item) for item in text.split(",") if item)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def parse_args(argv=None) -> Study:
+    parser = argparse.ArgumentParser(prog="bash scripts/compare.sh", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help=f"the pipeline in minutes: {QUICK['setting']}, {QUICK['algorithms'][0]}, one seed, "
+                             f"{QUICK['token_budget']} tokens (options given as well still apply)")
+    parser.add_argument("--setting", choices=SETTINGS, help=f"run setting (default {DEFAULTS['setting']})")
+    parser.add_argument("--algorithms", type=lambda t: _csv(str, t),
+                        help=f"comma-separated subset of {','.join(ALGORITHMS)} (default: all)")
+    parser.add_argument("--seeds", type=lambda t: _csv(int, t), help="comma-separated seeds (default 0,1,2)")
+    parser.add_argument("--token-budget", type=int, help=f"generated tokens per run (default {DEFAULTS['token_budget']:,})")
+    parser.add_argument("--lr", type=float, help="actor learning rate (default: the setting's)")
+    parser.add_argument("--val-every", type=int, help=f"validate and checkpoint every N steps (default {DEFAULTS['val_every']})")
+    parser.add_argument("--max-steps", type=int, help=f"step bound per run (default {DEFAULTS['max_steps']})")
+    parser.add_argument("--output-dir", type=Path, help="default: outputs/study-<setting>")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
+    args = parser.parse_args(argv)
+    base = {**DEFAULTS, **(QUICK if args.quick else {})}
+    given = {key: getattr(args, key) for key in ("setting", "algorithms", "seeds", "token_budget", "val_every",
+                                                  "max_steps") if getattr(args, key) is not None}
+    values = {**base, **given}
+    unknown = sorted(set(values["algorithms"]) - set(ALGORITHMS))
+    if unknown or not values["algorithms"]:
+        parser.error(f"--algorithms must be a non-empty subset of {','.join(ALGORITHMS)}, got {unknown or 'none'}")
+    if not values["seeds"]:
+        parser.error("--seeds must name at least one seed")
+    for key in ("token_budget", "val_every", "max_steps"):
+        if values[key] < 1:
+            parser.error(f"--{key.replace('_', '-')} must be a positive integer, got {values[key]}")
+    if args.lr is not None and not args.lr > 0:
+        parser.error(f"--lr must be positive, got {args.lr}")
+    output_dir = (args.output_dir or REPO / "outputs" / f"study-{values['setting']}").resolve()
+    return Study(values["setting"], tuple(values["algorithms"]), tuple(values["seeds"]), values["token_budget"],
+                 values["max_steps"], values["val_every"], output_dir, args.lr, tuple(args.overrides))
+
+
+def _stop_on_sigterm(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv=None) -> int:
+    study = parse_args(argv)
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)  # a killed job stops its run too; rerun to resume
+    runs = [(algorithm, seed) for seed in study.seeds for algorithm in study.algorithms]
+    print(f"compare: {len(runs)} run(s) on SETTING={study.setting} ({', '.join(study.algorithms)}; seeds "
+          f"{', '.join(map(str, study.seeds))}), each to {study.token_budget:,} generated tokens (at most "
+          f"{study.max_steps} steps), validating every {study.val_every}; output {study.output_dir}", flush=True)
+    started = time.monotonic()
+    failed = [f"{a}/seed{s}" for a, s in runs if not run_one(study, a, s)]
+    status = report(study)
+    print(f"compare: done in {(time.monotonic() - started) / 60:.1f} min; report: "
+          f"{study.output_dir / 'report' / 'report.html'}", flush=True)
+    if failed:
+        print(f"compare: unfinished runs: {', '.join(failed)} (rerun the command to resume them)", flush=True)
+    return 1 if failed or status != 0 else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

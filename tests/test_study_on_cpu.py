@@ -1,0 +1,59 @@
+"""The study command's bookkeeping (spo_verl.study): options, attempts merged step by step, the tokens a
+resumed run has already spent. The command itself, killed and resumed through verl's trainer, is in
+test_end_to_end_on_cpu."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from spo_verl import study
+
+
+def write_metrics(path, steps):
+    path.write_text("".join(json.dumps({"step": step, "data": data}) + "\n" for step, data in steps))
+
+
+def test_an_attempt_resumed_from_a_checkpoint_replaces_the_steps_after_it(tmp_path):
+    folder = study.RunFolder.open(tmp_path / "spo_tree" / "seed0")
+    first = folder.new_attempt(resumed_from=0)
+    write_metrics(first, [(0, {"val-core/x/acc/mean@1": 0.2}), (1, {study.GENERATED: 100.0}),
+                          (2, {study.GENERATED: 120.0}), (3, {study.GENERATED: 90.0})])
+    first.write_text(first.read_text() + '{"step": 4, "da')  # killed while writing a line
+    # Killed after step 3; the last checkpoint was step 2: the second attempt redoes step 3.
+    second = folder.new_attempt(resumed_from=2)
+    write_metrics(second, [(3, {study.GENERATED: 80.0}), (4, {study.GENERATED: 70.0, "val-core/x/acc/mean@1": 0.3})])
+    reopened = study.RunFolder.open(folder.path)
+    assert [a["resumed_from"] for a in reopened.attempts] == [0, 2]
+    steps = reopened.merged_steps()
+    assert sorted(steps) == [0, 1, 2, 3, 4]
+    assert steps[3][study.GENERATED] == 80.0  # the resumed attempt's step 3
+    assert reopened.spent_until(2) == 220.0 and reopened.spent_until(4) == 370.0
+    merged = study.read_metrics(reopened.write_merged())
+    assert [data["spo/generated_tokens_cumulative"] for step, data in merged if step > 0] == [100, 220, 300, 370]
+    assert study.validation_accuracy(dict(merged)[4]) == 0.3
+
+
+def test_a_run_without_a_checkpoint_starts_again_with_the_whole_budget(tmp_path):
+    folder = study.RunFolder.open(tmp_path / "grpo" / "seed1")
+    assert folder.checkpointed_step() == 0 and folder.spent_until(0) == 0 and not folder.done
+    (folder.checkpoints).mkdir()
+    (folder.checkpoints / "latest_checkpointed_iteration.txt").write_text("5\n")
+    assert folder.checkpointed_step() == 5
+
+
+def test_options_and_their_errors(capsys):
+    quick = study.parse_args(["--quick"])
+    assert (quick.setting, quick.algorithms, quick.seeds, quick.token_budget) == ("cpu-tiny", ("spo_tree",), (0,), 500)
+    full = study.parse_args(["--seeds", "3,4", "--lr", "1e-5", "--token-budget", "9000", "--", "data.train_batch_size=8"])
+    assert full.setting == "cpu-smollm2" and full.algorithms == study.ALGORITHMS and full.seeds == (3, 4)
+    assert full.lr == 1e-5 and full.token_budget == 9000 and full.overrides == ("data.train_batch_size=8",)
+    assert full.output_dir.name == "study-cpu-smollm2"
+    for argv, message in [(["--algorithms", "spo_tree,dpo"], "--algorithms must be a non-empty subset"),
+                          (["--token-budget", "0"], "--token-budget must be a positive integer, got 0"),
+                          (["--lr", "-1"], "--lr must be positive"),
+                          (["--setting", "laptop"], "invalid choice: 'laptop'")]:
+        with pytest.raises(SystemExit):
+            study.parse_args(argv)
+        assert message in capsys.readouterr().err
