@@ -35,8 +35,9 @@ def test_quick_packed_training_counts_unique_tokens(packing_results):
     report = Report()
     cli.packing_section(report, packing_results)
     text = render(report, header("test", 1, None))
-    assert "## 7. Packed SPO-tree training (issue #11)" in text
-    assert re.search(r"^\| 7\. packed tokens == unique tree tokens \| .*? \| hit \|$", text, flags=re.MULTILINE)
+    assert "## 7. Packed SPO-tree training: one actor update pass" in text
+    assert re.search(r"^\| 7\. packed tokens == the batch's unique tokens \(its distinct prefixes\) \| .*? \| hit \|$", text,
+                     flags=re.MULTILINE)
     assert re.search(r"^\| 7\. actor update time falls with the tokens \| .*? \| (hit|\*\*MISS\*\* \S.*) \|$", text,
                      flags=re.MULTILINE)
     assert "| 356,400 (216 rows) | 90,150 (3.95x) |" in text
@@ -57,7 +58,7 @@ def test_quick_maths_report_has_every_section_and_target(tmp_path, monkeypatch, 
     assert sum(n.startswith("4. `spo_prob_mask") for n in names) == 2
     assert any(n.startswith("3. batched chain advantages") for n in names)
     assert any(n.startswith("5. training tokens per step, paper") for n in names)
-    assert "7. packed tokens == unique tree tokens" in names and "7. actor update time falls with the tokens" in names
+    assert "7. packed tokens == the batch's unique tokens (its distinct prefixes)" in names and "7. actor update time falls with the tokens" in names
     for name, target, measured, result in targets:
         if result == "**MISS**":
             assert re.search(r"\*\*MISS\*\* \S", text.split(name, 1)[1].splitlines()[0]), f"a miss needs its reason: {name}"

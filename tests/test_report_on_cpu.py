@@ -240,3 +240,42 @@ def test_a_headless_browser_renders_a_non_blank_page(recorded_runs, tmp_path):
     red, green, blue = pixels[..., 0], pixels[..., 1], pixels[..., 2]
     greenish = ((green - red > 40) & (green - blue > 40)).mean()
     assert greenish > 0.0005, f"no green (positive-advantage) area on screen: {greenish:.4%}"
+
+
+def test_seeds_of_one_algorithm_are_summarised_with_their_standard_error(tmp_path, monkeypatch):
+    """Runs labelled NAME/seed<k> are one group: results.csv has the seed, groups.csv the mean and the
+    standard error over seeds of the final and best held-out accuracy (best counts validations after
+    step 0 only), and the base model's accuracy (step 0)."""
+    from spo_verl.report.__main__ import build_report
+
+    finals = {"spo_tree": [0.30, 0.40, 0.50], "grpo": [0.20, 0.30]}
+    arguments = []
+    for algorithm, values in finals.items():
+        for seed, final in enumerate(values):
+            steps = [(0, {ACCURACY: 0.25})]
+            steps += [(step, training_step(0.5, 10.0, 1000, 10, 15, **{"spo/generated_tokens": 100.0 + seed}))
+                      for step in (1, 2, 3)]
+            steps += [(2, {ACCURACY: 0.1}), (3, {ACCURACY: final})]
+            path = log_metrics(tmp_path / f"{algorithm}-{seed}.jsonl", steps, monkeypatch)
+            arguments.append(f"{algorithm}/seed{seed}={path}")
+    written = build_report(arguments, tmp_path / "report")
+    with written["results.csv"].open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert {(r["run"], r["seed"]) for r in rows} == {(f"{a}/seed{s}", str(s)) for a in finals for s in range(len(finals[a]))}
+    with written["groups.csv"].open() as handle:
+        groups = {r["group"]: r for r in csv.DictReader(handle)}
+    tree, grpo = groups["spo_tree"], groups["grpo"]
+    assert int(tree["seeds"]) == 3 and float(tree["base_heldout_accuracy"]) == pytest.approx(0.25)
+    assert float(tree["final_heldout_accuracy_mean"]) == pytest.approx(0.4)
+    assert float(tree["final_heldout_accuracy_se"]) == pytest.approx(0.1 / 3 ** 0.5)  # std 0.1 over 3 seeds
+    assert float(grpo["final_heldout_accuracy_se"]) == pytest.approx(0.05)  # std 0.0707 / sqrt(2)
+    assert float(grpo["best_heldout_accuracy_mean"]) == pytest.approx(0.25)  # not the base model's 0.25 + ...
+    assert float(tree["generated_tokens_mean"]) == pytest.approx(3 * 101)
+    with written["summary.csv"].open() as handle:
+        summary = {r["run"]: r for r in csv.DictReader(handle)}
+    assert float(summary["grpo/seed0"]["best_heldout_accuracy"]) == pytest.approx(0.2)  # step 0's 0.25 left out
+    page = written["report.html"].read_text()
+    assert "mean" in page and "&plusmn; 0.058" in page and str(tmp_path) not in page
+    for name in ("accuracy_vs_step.png", "accuracy_vs_generated_tokens.png"):
+        with Image.open(written[name]) as image:
+            assert image.size[0] >= 600

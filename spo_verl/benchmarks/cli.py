@@ -390,11 +390,11 @@ def packing_section(report: Report, results: dict) -> None:
                  f"{paper['spo_tree_rows']:,} (216 rows)", f"{paper['unique']:,} ({paper_ratio:.2f}x)",
                  "-", "-", "not measured (no GPU)", "-"])
     hit = all(ok for _, ok in exact)
-    report.target("7. packed tokens == unique tree tokens", "equal (exact), one micro-batch",
+    report.target("7. packed tokens == the batch's unique tokens (its distinct prefixes)", "equal (exact), one micro-batch",
                   "; ".join(f"{s['shape']}: {s['packed_tokens']:,} packed vs {s['unique_tokens']:,} unique "
                             f"(of {s['row_tokens']:,} row tokens)" for s, _ in exact), hit,
-                  "" if hit else "the packed engine's `spo/packing/packed_tokens` metric differs from the trees' "
-                  "unique tokens: a tree did not pack whole.")
+                  "" if hit else "the packed engine's `spo/packing/packed_tokens` metric differs from the batch's "
+                  "distinct prefixes: a tree did not pack whole.")
     hit = all(ok for *_, ok in faster)
     report.target("7. actor update time falls with the tokens", "packed faster than per-row (> 1x)",
                   "; ".join(f"{s['shape']}: {text}" for s, text, _ in faster), hit,
@@ -436,7 +436,7 @@ optimizer step) with the whole batch as one micro-batch, so every tree packs who
 have the same length here (no early EOS), so the per-row side pads nothing. Speed-up = per-row / packed
 time, median of {results['repeats']} alternating rounds with its spread; both sides' losses agree (largest
 relative difference {loss_diff:.1g}). Packed tokens are the packed engine's own `spo/packing/packed_tokens`
-metric (it must equal the trees' unique tokens, and `spo/packing/row_tokens` the batch's row tokens, or the
+metric (it must equal the batch's distinct prefixes, its unique tokens, and `spo/packing/row_tokens` the batch's row tokens, or the
 run fails). Peak memory: the RSS method of section 6, both sides one after the other in one fresh
 subprocess (`--memory-cases`), the peak resident set size of the pass above what the process held before
 it (model and batch excluded).

@@ -9,7 +9,9 @@ one to packed forwards (:func:`spo_verl.packing.engine.enable_packed_training`) 
 update pass of the same batch on each, alternating (:func:`spo_verl.benchmarks.timing.compare`): zero
 the gradients, then verl's ``forward_backward_batch`` of the whole batch as one micro-batch in training
 mode (forward + backward, no optimizer step), so every tree packs whole. The packed engine's
-``spo/packing/*`` metrics must count exactly the trees' unique tokens (and the batch's row tokens).
+``spo/packing/*`` metrics must count exactly the batch's distinct prefixes (its unique tokens: at least
+the trees' shared segments, and siblings that happen to open with the same token share that too) and
+the batch's row tokens.
 Peak memory of each side is measured afterwards in one fresh subprocess (``--memory-cases``, the
 method of :func:`spo_verl.benchmarks.timing.memory_report`).
 
@@ -25,6 +27,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+from spo_verl.packing.micro_batches import packed_token_count
 from spo_verl.testing.verl_engine import start_process_group
 
 
@@ -70,15 +73,10 @@ class GroupShape:
     def label(self) -> str:
         return f"GRPO {self.rows} x ({self.prompt} + {self.response})"
 
-    @property
-    def packed_share(self) -> float:
-        """Packed tokens over row tokens."""
-        return (self.prompt + self.rows * self.response) / (self.rows * (self.prompt + self.response))
 
-
-# From the cluster's proportions (a ~150-token prompt under ~1,900-token responses, 8 a prompt: packed
-# 0.93 of the rows) to prompts as long as the responses (0.56); the crossover sets packed_max_token_ratio.
-GROUP_SHAPES = (GroupShape(16, 192), GroupShape(48, 160), GroupShape(96, 96))
+# From almost nothing shared (0.99) through the cluster's proportions (a ~150-token prompt under ~1,900-
+# token responses, 8 a prompt: packed 0.93 of the rows) to prompts as long as the responses (0.56).
+GROUP_SHAPES = (GroupShape(2, 206), GroupShape(16, 192), GroupShape(48, 160), GroupShape(96, 96))
 
 
 def shapes(quick: bool) -> tuple[Shape, ...]:
@@ -151,7 +149,7 @@ def measure_timing(setup: Setup, quick: bool, repeats: int) -> list[dict]:
     for shape in shapes(quick):
         trees, data = setup.batch(shape)
         row_tokens = int(data["input_ids"].offsets()[-1])
-        unique = sum(tree.unique_tokens for tree in trees)
+        unique = packed_token_count([row.tolist() for row in data["input_ids"].unbind()])
         outputs: dict[str, list] = {side: [] for side in SIDES}
 
         def call(side):
@@ -162,7 +160,7 @@ def measure_timing(setup: Setup, quick: bool, repeats: int) -> list[dict]:
                           _metric(o["metrics"], "spo/packing/row_tokens")) for o in outputs["packed"]}
         if packed_counts != {(unique, row_tokens)}:
             raise AssertionError(f"{shape.label}: packed engine counted (packed, row) tokens "
-                                 f"{sorted(packed_counts)}, expected ({unique}, {row_tokens}): the trees' unique "
+                                 f"{sorted(packed_counts)}, expected ({unique}, {row_tokens}): the batch's unique "
                                  f"tokens and the batch's row tokens")
         if any(len(o["loss"]) != 1 for side in SIDES for o in outputs[side]):
             raise AssertionError(f"{shape.label}: the batch was split into several micro-batches")
@@ -196,10 +194,12 @@ def measure_group_sweep(setup: Setup, repeats: int) -> list[dict]:
 
         comparison = compare(call("per-row"), call("packed"), repeats)
         packed = {_metric(o["metrics"], "spo/packing/packed_tokens") for o in outputs["packed"]}
-        expected = shape.prompt + shape.rows * shape.response
-        if packed != {expected}:
+        # The prompt once; random responses may also open with the same token now and then.
+        expected = packed_token_count([row.tolist() for row in data["input_ids"].unbind()])
+        if packed != {expected} or expected > shape.prompt + shape.rows * shape.response:
             raise AssertionError(f"{shape.label}: packed {sorted(packed)} tokens, expected {expected}")
-        results.append({"label": shape.label, "packed_share": shape.packed_share, "speedup": comparison.ratio,
+        share = expected / int(data["input_ids"].offsets()[-1])
+        results.append({"label": shape.label, "packed_share": share, "speedup": comparison.ratio,
                         "speedup_spread": list(comparison.spread), "per_row_median_s": comparison.a_median,
                         "packed_median_s": comparison.b_median})
     return results

@@ -1,7 +1,8 @@
 """python -m spo_verl.report --run LABEL=METRICS_JSONL[,SAMPLES_JSONL] ... --output DIR [--title TITLE]
 
 Writes DIR/accuracy_vs_step.png, accuracy_vs_generated_tokens.png, reward_vs_step.png,
-reward_vs_generated_tokens.png, results.csv, summary.csv and report.html (self-contained).
+reward_vs_generated_tokens.png, results.csv, summary.csv, groups.csv (per group of seeds: means and
+standard errors) and report.html (self-contained). Label seeds of one algorithm ``NAME/seed<k>``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 from spo_verl.report.page import render_page
 from spo_verl.report.plots import write_plots
 from spo_verl.report.runs import load_run, parse_run_argument
-from spo_verl.report.tables import summarize, write_results_csv, write_summary_csv
+from spo_verl.report.tables import summarize, summarize_groups, write_group_csv, write_results_csv, write_summary_csv
 
 
 def build_report(run_arguments: list[str], output: str | Path, title: str = "SPO versus GRPO",
@@ -26,8 +27,10 @@ def build_report(run_arguments: list[str], output: str | Path, title: str = "SPO
     written = dict(plots)
     written["results.csv"] = write_results_csv(runs, output / "results.csv")
     written["summary.csv"] = write_summary_csv(summaries, output / "summary.csv")
+    groups = summarize_groups(runs, summaries)
+    written["groups.csv"] = write_group_csv(groups, output / "groups.csv")
     page = output / "report.html"
-    page.write_text(render_page(title, runs, summaries, plots, responses), encoding="utf-8")
+    page.write_text(render_page(title, runs, summaries, plots, responses, groups), encoding="utf-8")
     written["report.html"] = page
     return written
 

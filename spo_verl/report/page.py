@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from spo_verl.report.runs import Run
-from spo_verl.report.tables import Summary
+from spo_verl.report.tables import GroupSummary, Summary
 from spo_verl.visualize import LOGGED_STYLE, STYLE, advantage_colour, render_logged_response
 
 PAGE_STYLE = STYLE + LOGGED_STYLE + """
@@ -46,13 +46,35 @@ def _image(path: Path) -> str:
     return f"<img alt='{html.escape(path.stem)}' src='data:image/png;base64,{data}'>"
 
 
+def _with_error(mean, error) -> str:
+    return _number(mean) + ("" if error is None else f" &plusmn; {error:.3f}")
+
+
+def group_table(groups: Sequence[GroupSummary]) -> str:
+    """Per algorithm over its seeds: mean &plusmn; standard error (shown only when some group has several seeds)."""
+    if not any(group.seeds > 1 for group in groups):
+        return ""
+    header = ["algorithm", "seeds", "base model held-out acc", "final held-out acc", "best held-out acc (after step 0)",
+              "generated tokens (mean)", "steps (mean)", "wall time of steps, s (mean)"]
+    rows = ["<table class='summary'><tr>" + "".join(f"<th>{h}</th>" for h in header) + "</tr>"]
+    for g in groups:
+        cells = [html.escape(g.group), str(g.seeds), _number(g.base_heldout_accuracy),
+                 _with_error(g.final_heldout_accuracy_mean, g.final_heldout_accuracy_se),
+                 _with_error(g.best_heldout_accuracy_mean, g.best_heldout_accuracy_se),
+                 f"{g.generated_tokens_mean:,.0f}", f"{g.steps_mean:.1f}", f"{g.wall_time_s_mean:,.0f}"]
+        rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    rows.append("</table><p class='meta'>&plusmn;: one standard error over seeds (sample standard deviation / "
+                "&radic;seeds); it leaves out the held-out set's own sampling error.</p>")
+    return "".join(rows)
+
+
 def summary_table(summaries: Sequence[Summary]) -> str:
-    header = ["run", "algorithm", "steps", "final held-out acc", "best held-out acc", "final training reward",
-              "generated tokens", "wall time (s)"]
+    header = ["run", "algorithm", "steps", "base model held-out acc", "final held-out acc",
+              "best held-out acc (after step 0)", "final training reward", "generated tokens", "wall time (s)"]
     rows = ["<table class='summary'><tr>" + "".join(f"<th>{h}</th>" for h in header) + "</tr>"]
     for s in summaries:
-        cells = [html.escape(s.run), html.escape(s.algorithm), str(s.steps), _number(s.final_heldout_accuracy),
-                 _number(s.best_heldout_accuracy), _number(s.final_training_reward),
+        cells = [html.escape(s.run), html.escape(s.algorithm), str(s.steps), _number(s.base_heldout_accuracy),
+                 _number(s.final_heldout_accuracy), _number(s.best_heldout_accuracy), _number(s.final_training_reward),
                  f"{s.total_generated_tokens:,.0f}", f"{s.total_wall_time_s:,.1f}"]
         rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     rows.append("</table>")
@@ -179,10 +201,11 @@ def legend() -> str:
 
 
 def render_page(title: str, runs: Sequence[Run], summaries: Sequence[Summary], plots: Mapping[str, Path],
-                responses_to_show: int = 4) -> str:
+                responses_to_show: int = 4, groups: Sequence[GroupSummary] = ()) -> str:
+    # File names only: the page is shared, the reader's machine has other paths.
     sources = "".join(
-        f"<li>{html.escape(run.label)}: {html.escape(str(run.metrics_path))}"
-        + (f", samples {html.escape(str(run.samples_path))}" if run.samples_path else "")
+        f"<li>{html.escape(run.label)}: {html.escape(run.metrics_path.name)}"
+        + (f", samples {html.escape(run.samples_path.name)}" if run.samples_path else "")
         + (f"; held-out accuracy from {html.escape(run.accuracy_key)}" if run.accuracy_key else "") + "</li>"
         for run in runs)
     parts = [
@@ -193,6 +216,7 @@ def render_page(title: str, runs: Sequence[Run], summaries: Sequence[Summary], p
         "<p class='meta'>Training reward: verl's critic/score/mean. Generated tokens: everything the rollout "
         "generated for a step (SPO-tree: the tree's nodes; SPO-chain: responses plus Monte Carlo continuations; "
         "GRPO: responses). Numbers per step in results.csv.</p>",
+        group_table(groups),
         summary_table(summaries),
         "<div class='plots'>" + "".join(_image(path) for path in plots.values()) + "</div>",
         legend(),

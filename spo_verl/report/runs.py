@@ -54,6 +54,23 @@ class Run:
     steps: list[StepRow]
     samples: list[dict] = field(default_factory=list)
 
+    @property
+    def group(self) -> str:
+        """Runs labelled ``NAME/seed<k>`` are seeds of one group ``NAME``; any other label is its own."""
+        return split_seed(self.label)[0]
+
+    @property
+    def seed(self) -> int | None:
+        return split_seed(self.label)[1]
+
+
+_SEEDED_LABEL = re.compile(r"^(?P<group>.+)/seed(?P<seed>\d+)$")
+
+
+def split_seed(label: str) -> tuple[str, int | None]:
+    match = _SEEDED_LABEL.match(label)
+    return (match["group"], int(match["seed"])) if match else (label, None)
+
 
 def read_metrics(path: str | Path) -> dict[int, dict]:
     """verl's file-logger JSONL, merged by step (verl may log one step in several calls, e.g. the
