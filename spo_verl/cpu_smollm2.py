@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import importlib.util
 import random
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from spo_verl.cpu_cache import cached_build, run_cli
@@ -38,21 +40,54 @@ HELD_OUT_PROBLEMS = 64
 SEED = 0
 
 INSTRUCTION = "Give the final answer after ####."
-WORKED_EXAMPLES = (
-    ("What is 3 + 4 - 2?", "3 + 4 = 7. 7 - 2 = 5.\n#### 5"),
-    ("What is 12 + 5 - 6?", "12 + 5 = 17. 17 - 6 = 11.\n#### 11"),
-)
 
 
-def problem(rng: random.Random) -> tuple[str, int]:
+def _add_sub(rng: random.Random) -> tuple[str, int]:
     first, second = rng.randint(2, 20), rng.randint(2, 9)
     third = rng.randint(1, first + second - 1)
     return f"What is {first} + {second} - {third}?", first + second - third
 
 
-def messages(question: str) -> list[dict]:
+def _add_sub_add(rng: random.Random) -> tuple[str, int]:
+    question, partial = _add_sub(rng)
+    fourth = rng.randint(2, 9)
+    return f"{question[:-1]} + {fourth}?", partial + fourth
+
+
+def _mul_add(rng: random.Random) -> tuple[str, int]:
+    first, second, third = rng.randint(2, 9), rng.randint(2, 9), rng.randint(2, 20)
+    return f"What is {first} * {second} + {third}?", first * second + third
+
+
+@dataclass(frozen=True)
+class Task:
+    """A generated arithmetic task: how a problem is drawn, and the worked examples (earlier chat
+    turns) every prompt opens with; one answer step per operation, then ``#### answer``."""
+
+    problem: Callable[[random.Random], tuple[str, int]]
+    examples: tuple[tuple[str, str], ...]
+
+
+TASKS = {
+    # The CPU default: two steps (docs/RESULTS.md).
+    "add_sub": Task(_add_sub, (("What is 3 + 4 - 2?", "3 + 4 = 7. 7 - 2 = 5.\n#### 5"),
+                               ("What is 12 + 5 - 6?", "12 + 5 = 17. 17 - 6 = 11.\n#### 11"))),
+    # Candidates with more steps or harder ones, for a study with headroom (spo_verl.task_calibration).
+    "add_sub_add": Task(_add_sub_add, (("What is 3 + 4 - 2 + 6?", "3 + 4 = 7. 7 - 2 = 5. 5 + 6 = 11.\n#### 11"),
+                                       ("What is 12 + 5 - 6 + 3?", "12 + 5 = 17. 17 - 6 = 11. 11 + 3 = 14.\n#### 14"))),
+    "mul_add": Task(_mul_add, (("What is 3 * 4 + 2?", "3 * 4 = 12. 12 + 2 = 14.\n#### 14"),
+                               ("What is 7 * 5 + 11?", "7 * 5 = 35. 35 + 11 = 46.\n#### 46"))),
+}
+DEFAULT_TASK = "add_sub"
+
+
+def problem(rng: random.Random, task: str = DEFAULT_TASK) -> tuple[str, int]:
+    return TASKS[task].problem(rng)
+
+
+def messages(question: str, task: str = DEFAULT_TASK) -> list[dict]:
     turns = []
-    for example_question, example_answer in WORKED_EXAMPLES:
+    for example_question, example_answer in TASKS[task].examples:
         turns += [{"role": "user", "content": f"{example_question} {INSTRUCTION}"},
                   {"role": "assistant", "content": example_answer}]
     return turns + [{"role": "user", "content": f"{question} {INSTRUCTION}"}]
@@ -68,9 +103,9 @@ def row(question: str, answer: int, split: str, index: int) -> dict:
     }
 
 
-def problems(count: int, seed: int) -> list[tuple[str, int]]:
+def problems(count: int, seed: int, task: str = DEFAULT_TASK) -> list[tuple[str, int]]:
     rng = random.Random(seed)
-    return [problem(rng) for _ in range(count)]
+    return [problem(rng, task) for _ in range(count)]
 
 
 def write_data(directory: Path) -> tuple[Path, Path]:

@@ -69,9 +69,9 @@ CASES = [
     ("v1-spo_chain", "run_spo_chain.sh", None, CHECK, []),
     ("v1-grpo", "run_grpo.sh", None, CHECK, BUDGET_STOP),
     ("v1-grpo_prob_mask-bf16", "run_grpo.sh", "grpo_prob_mask", [*CHECK, *VERL_MIXED_PRECISION], []),
-    ("v1-ppo", "run_grpo.sh", "ppo", [], []),
+    ("v1-ppo", "run_grpo.sh", "ppo", CHECK, []),
     ("legacy-spo_tree", "run_spo_tree.sh", None, ["trainer.use_v1=false", *CHECK], []),
-    ("legacy-spo_chain", "run_spo_chain.sh", None, ["trainer.use_v1=false"], BUDGET_STOP),
+    ("legacy-spo_chain", "run_spo_chain.sh", None, ["trainer.use_v1=false", *CHECK], BUDGET_STOP),
 ]
 
 

@@ -177,3 +177,27 @@ def test_without_a_sample_log_dir_fit_calls_the_plain_hook():
     trainer.config = OmegaConf.create({"algorithm": {"adv_estimator": "grpo"}})
     with spo_advantage_hook(trainer):
         assert RayPPOTrainer.fit.__globals__["compute_advantage"] is compute_advantage_with_spo_rows
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_packed_training_keeps_each_uid_on_one_rank(packed):
+    """verl's legacy balancing spreads rows over data-parallel ranks by length; with packed training
+    each uid's rows (a prompt's responses) stay together on one rank, so they pack."""
+    trainer = object.__new__(SPORayPPOTrainer)
+    trainer.config = OmegaConf.create({"algorithm": {"spo": {"packed_training": packed}},
+                                       "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 2}}})
+    trainer.actor_rollout_wg = None
+    trainer._get_dp_size = lambda group, role: 2
+    uids = ["a", "b", "c", "d"] * 3  # interleaved, as the rollout returns them
+    lengths = torch.tensor([3, 9, 5, 7, 8, 2, 6, 4, 5, 5, 9, 1])
+    attention_mask = (torch.arange(10)[None, :] < lengths[:, None]).long()
+    batch = DataProto.from_dict(tensors={"attention_mask": attention_mask},
+                                non_tensors={"uid": np.array(uids, dtype=object)})
+    metrics = {}
+    trainer._balance_batch(batch, metrics)
+    ranks = [list(batch.non_tensor_batch["uid"][:6]), list(batch.non_tensor_batch["uid"][6:])]
+    kept_together = all(len(set(rank)) == 2 and all(rank.count(u) == 3 for u in set(rank)) for rank in ranks)
+    contiguous = all(rank[i] == rank[i - 1] or rank[i] not in rank[:i] for rank in ranks for i in range(1, 6))
+    assert (kept_together and contiguous) == packed, ranks
+    assert not getattr(trainer, "use_prefix_grouper", False)  # set for the call only
+    assert "global_seqlen/mean" in metrics

@@ -16,15 +16,17 @@ import functools
 from collections.abc import Iterator
 from unittest import mock
 
+import torch
 import verl.trainer.ppo.ray_trainer as ray_trainer_module
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
 from spo_verl.batch_context import SPO_FIELD, provide_spo_rows
 from spo_verl.config import parse_spo_settings
 from spo_verl.trainer.common import SPO_ESTIMATORS, batch_metrics, install_spo_actor_loss, plain_validation
-from spo_verl.trainer.packed_worker import enable_packed_training_on
+from spo_verl.trainer.packed_worker import enable_packed_training_on, packed_training_settings
 from spo_verl.trainer.sample_log import SampledResponse, log_step, sample_log_settings
 from spo_verl.trainer.token_budget import GeneratedTokenBudget, step_generated_tokens
+from spo_verl.trainer.tree_balance import tree_order
 from spo_verl.trainer.v1 import lift_spo_metrics
 
 _verl_compute_advantage = ray_trainer_module.compute_advantage
@@ -113,6 +115,21 @@ class SPORayPPOTrainer(RayPPOTrainer):
     def fit(self):
         with spo_advantage_hook(self):
             return super().fit()
+
+    def _balance_batch(self, batch, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
+        """With packed training, each uid's rows (a prompt's responses, an SPO tree's leaves) stay on one
+        data-parallel rank and next to each other: verl's own group-level balancing, which it applies
+        for ``use_prefix_grouper`` (set here for the call only; nothing else reads it in this trainer)."""
+        if packed_training_settings(self.config) is None:
+            return super()._balance_batch(batch, metrics, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch)
+        uids = [str(uid) for uid in batch.non_tensor_batch["uid"]]
+        batch.reorder(torch.tensor(tree_order(uids)))  # verl's grouping expects each uid's rows contiguous
+        grouping = getattr(self, "use_prefix_grouper", False)
+        self.use_prefix_grouper = True
+        try:
+            return super()._balance_batch(batch, metrics, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch)
+        finally:
+            self.use_prefix_grouper = grouping
 
     def _update_actor(self, batch):
         output = super()._update_actor(batch)
