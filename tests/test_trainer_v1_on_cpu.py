@@ -274,3 +274,21 @@ def test_the_sample_log_of_a_baseline_adds_no_spo_metric(transfer_queue, tmp_pat
     assert [r["score"] for r in record["responses"]] == [1.0, 0.0]
     assert [len(r["segments"]) for r in record["responses"]] == [1, 1]
     assert record["responses"][0]["segments"][0]["advantage"] > 0 > record["responses"][1]["segments"][0]["advantage"]
+
+
+def test_the_replay_buffer_looks_for_finished_rollouts_often():
+    """verl's sync replay buffer (built by verl's own code here) polls every 2 s, which rounds each
+    step's generation up to the next 2 s; the SPO trainer's polls every ROLLOUT_POLL_S."""
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
+
+    from spo_verl.testing.verl_harness import compose_ppo_trainer
+    from spo_verl.trainer.v1 import ROLLOUT_POLL_S, SPOTrainer
+
+    trainer = object.__new__(SPOTrainer)
+    trainer.config = compose_ppo_trainer("trainer.v1.trainer_mode=sync")
+    trainer.trainer_mode = "sync"
+    buffer = trainer._build_replay_buffer()
+    assert type(buffer) is ReplayBuffer and ReplayBuffer(
+        trainer_mode="sync", trainer_config={}, max_off_policy_threshold=None, max_off_policy_strategy="drop",
+        sampler_kwargs={}).poll_interval == 2.0
+    assert buffer.poll_interval == ROLLOUT_POLL_S < 1.0

@@ -531,7 +531,7 @@ def build_report(quick: bool, skip_rollout: bool, repeats: int, threads: int, sk
     if step:
         from spo_verl.benchmarks import step as step_benchmark
 
-        step_section(report, step_benchmark.run("cpu-smollm2", 4, ["spo_tree", "grpo"]))
+        step_section(report, step_benchmark.run("cpu-smollm2", 6, ["spo_tree", "grpo"]))
     measured = None if skip_rollout else asyncio.run(run_rollout(report, quick, max(2, repeats // 2 + 1) if not quick else 1))
     training_tokens_section(report, measured)
     # Sections in their numbered order.

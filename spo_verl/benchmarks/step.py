@@ -124,7 +124,7 @@ def run(setting: str, steps: int, algorithms: list[str]) -> dict:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--setting", default="cpu-smollm2")
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--algorithms", default="spo_tree,grpo")
     parser.add_argument("--json", action="store_true", help="print the result as JSON on the last line")
     args = parser.parse_args(argv)

@@ -8,6 +8,7 @@
   set it also appends a few of the step's responses (segments, probabilities, advantages; one whole
   tree for spo_tree) to ``samples.jsonl`` there, for every algorithm (``spo_verl.trainer.sample_log``);
 * ``init`` installs SPO's actor loss (verl's ``ppo_loss`` plus the reference's masked KL);
+* its replay buffer looks for finished rollouts every ``ROLLOUT_POLL_S`` instead of every 2 s;
 * with ``algorithm.spo.packed_training``, ``_balance_batch`` keeps each prompt's rows together
   (``spo_verl.trainer.tree_balance``) and the actor/reference workers run packed forwards;
 * ``_update_actor`` sends only the trajectories that train at least one token to the actor (leaves
@@ -45,6 +46,10 @@ from spo_verl.trainer.token_budget import GeneratedTokenBudget, step_generated_t
 from spo_verl.trainer.tree_balance import balance_keeping_trees
 
 TRAINER_MODE = "spo"
+# verl's sync replay buffer checks for finished rollouts every 2 s (its built-in default, not a setting),
+# which rounds every step's generation up to the next 2 s: about 1 s a step lost on average, 7 % of a
+# packed CPU step. A check costs one metadata read from TransferQueue.
+ROLLOUT_POLL_S = 0.25
 
 
 def lift_spo_metrics(metrics: dict) -> None:
@@ -63,6 +68,12 @@ class SPOTrainer(PPOTrainerSync):
         super().init()
         install_spo_actor_loss(self.actor_rollout_wg, self.config)
         enable_packed_training_on([self.actor_rollout_wg, getattr(self, "ref_policy_wg", None)], self.config)
+
+    def _build_replay_buffer(self):
+        buffer = super()._build_replay_buffer()
+        if hasattr(buffer, "poll_interval"):
+            buffer.poll_interval = min(buffer.poll_interval, ROLLOUT_POLL_S)
+        return buffer
 
     def _init_resource_pool_mgr(self):
         super()._init_resource_pool_mgr()
