@@ -490,6 +490,22 @@ def step_section(report: Report, result: dict) -> None:
                       "" if exact else "a micro-batch ran per row (it shared too little) or the count is wrong")
     steps = {f"{run['algorithm']} / {run['configuration']}": ", ".join(f"{t:.1f}" for t in run["step_times"])
              for run in result["runs"]}
+    spreads = []
+    for run in result["runs"]:
+        later = [t for t in run["step_times"][1:] if t is not None]
+        if later:
+            spreads.append((max(later) - min(later)) / statistics.median(later))
+    shares, largest = [], {}
+    names = {"gen": "generation", "update_actor": "the actor update", "update_weights": "the weight sync"}
+    for algorithm in algorithms:
+        phases = runs[(algorithm, PACKED)]["phases"]
+        top = max(names, key=lambda phase: phases[phase] or 0.0)
+        largest[algorithm] = f"{names[top]} ({phases[top] / phases['step']:.0%})"
+        phases = runs[(algorithm, PACKED)]["phases"]
+        step = phases["step"]
+        shares.append(f"`{algorithm}`: generation {phases['gen'] / step:.0%}, actor update "
+                      f"{phases['update_actor'] / step:.0%}, weight sync {phases['update_weights'] / step:.0%}, "
+                      f"old log-probs {phases['old_log_prob'] / step:.0%}")
     report.add(f"8. A whole training step of `{result['setting']}` through verl's trainer", f"""
 The CPU default as a user runs it (`bash scripts/run_spo_tree.sh`, `bash scripts/run_grpo.sh`;
 `python -m spo_verl.benchmarks.step`), {result['steps']} steps per run, validation and checkpoints off,
@@ -503,17 +519,19 @@ median of steps 2-{result['steps']} (step 1 includes warm-up); `step` covers the
 (`gen` includes the reward). "forwarded" is the tokens the actor update's forwards computed against the
 tokens its rows hold (`spo/packing/packed_tokens` of `spo/packing/row_tokens`); peak memory is the
 machine's used memory above its level before the run (all of the run's processes, vLLM's KV cache
-reserve included). One run per configuration: the phases of a step vary by 10-30 % from step to step here
-(every step time is listed below), so a ratio is good to about that.
+reserve included). One run per configuration: within a run, steps 2-{result['steps']} spread by
+{min(spreads):.0%}-{max(spreads):.0%} of their median (largest minus smallest; a step whose trees all
+agree skips the actor update), so a ratio is good to about that.
 
 {table(["algorithm", "configuration", *PHASES, "forwarded (share)", "peak GiB"], rows)}
 
 Step times of every step (s): {"; ".join(f"{k}: {v}" for k, v in steps.items())}.
 
-After packing, most of a step is generation (vLLM on two CPU cores, which packing does not touch) and
-the actor update's backward and optimizer step; the next factor would take a faster rollout (batching
-more requests per engine step) and fewer optimizer steps per rollout (a larger mini-batch), not fewer
-tokens.
+Where the packed step's time goes (medians): {"; ".join(shares)}. Packing and the reused log-probs remove
+what was computed twice; the rest is generation (vLLM on two CPU cores, untouched by packing), the
+update's forward, backward and optimizer steps on the unique tokens, and the weight sync. The largest
+remaining phase ({"; ".join(f"`{a}`: {t}" for a, t in largest.items())}) is where a next factor would have
+to come from.
 """)
 
 
