@@ -12,6 +12,8 @@ validation), with the generated tokens the earlier attempts spent up to that che
 budget; so a study survives a killed job and can be spread over several sittings. One progress line
 per step and one line per finished run are printed.
 
+On ``cpu-smollm2`` the held-out set is 256 problems (``VAL_FILES`` overrides it), validated greedily.
+
 Seeds: seed ``k`` sets verl's ``data.seed`` (the order the training prompts are drawn in: the same
 for every algorithm under one seed) and ``actor_rollout_ref.rollout.seed`` (vLLM's engine seed).
 vLLM's sampling is not reproducible request by request (verl seeds requests only under
@@ -227,6 +229,11 @@ def run_one(study: Study, algorithm: str, seed: int) -> bool:
         CHECKPOINT_DIR=str(folder.checkpoints), TENSORBOARD_DIR=str(folder.path / "tensorboard"),
         TOTAL_TRAINING_STEPS=str(study.max_steps), TEST_FREQ=str(study.val_every), SAVE_FREQ=str(study.val_every),
     )
+    if study.setting == "cpu-smollm2":  # the study's held-out set: 256 problems (the run scripts use 64 of them)
+        from spo_verl import cpu_smollm2
+
+        cache = os.environ.get("SPO_SMOLLM2_CACHE", str(Path.home() / ".cache" / "spo-verl" / "cpu-smollm2"))
+        env.setdefault("VAL_FILES", cpu_smollm2.study_val_files(cache))
     command = [
         "bash", str(REPO / "scripts" / "spo_launch.sh"),
         f"algorithm.spo.generated_token_budget={remaining}",

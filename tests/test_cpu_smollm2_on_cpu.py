@@ -13,6 +13,7 @@ import json
 import numpy as np
 import pandas as pd
 import pytest
+from pathlib import Path
 import torch
 
 from spo_verl import cpu_smollm2
@@ -60,6 +61,12 @@ def test_the_data_is_two_step_arithmetic_scored_by_verls_gsm8k_reward(built):
 
     train, held_out = pd.read_parquet(built["train_files"]), pd.read_parquet(built["val_files"])
     assert (len(train), len(held_out)) == (cpu_smollm2.TRAIN_PROBLEMS, cpu_smollm2.HELD_OUT_PROBLEMS)
+    # A study's held-out set: 256 problems, none seen in training, the run scripts' 64 first.
+    study = pd.read_parquet(cpu_smollm2.study_val_files(Path(built["val_files"]).parents[1]))
+    assert len(study) == cpu_smollm2.STUDY_HELD_OUT_PROBLEMS == 256
+    questions = [info["question"] for info in study["extra_info"]]
+    assert len(set(questions)) == 256 and not set(questions) & {info["question"] for info in train["extra_info"]}
+    assert questions[:64] == [info["question"] for info in held_out["extra_info"]]
     questions = [info["question"] for info in train["extra_info"]]
     assert not set(questions) & {info["question"] for info in held_out["extra_info"]}
     for _, row in pd.concat([train, held_out]).iterrows():
