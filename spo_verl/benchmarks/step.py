@@ -74,6 +74,11 @@ def _median_after_first(steps: list[tuple[int, dict]], key: str) -> float | None
     return statistics.median(values) if values else None
 
 
+def _updated(data: dict) -> bool:
+    """Whether the step ran an actor update (an SPO-tree step whose trees all agree trains nothing)."""
+    return data.get("timing_s/update_actor", 0.0) > 0.0
+
+
 def run_one(algorithm: str, configuration: str, setting: str, steps: int, work: Path) -> dict:
     """One run of the run script; its per-phase medians, token counts and peak memory."""
     name = f"{algorithm}-{'packed' if configuration == PACKED else 'per_row'}"
@@ -96,7 +101,8 @@ def run_one(algorithm: str, configuration: str, setting: str, steps: int, work: 
     logged = read_steps(metrics)
     if len(logged) != steps:
         raise RuntimeError(f"{name}: {len(logged)} steps logged, {steps} asked for")
-    phases = {phase: _median_after_first(logged, f"timing_s/{phase}") for phase in PHASES}
+    updating = [(step, data) for step, data in logged if _updated(data)]
+    phases = {phase: _median_after_first(updating, f"timing_s/{phase}") for phase in PHASES}
     row_tokens = _median_after_first(logged, "spo/packing/row_tokens")
     forwarded = _median_after_first(logged, "spo/packing/packed_tokens")
     unique = _median_after_first(logged, "spo/packing/unique_tokens")
@@ -104,7 +110,9 @@ def run_one(algorithm: str, configuration: str, setting: str, steps: int, work: 
                 for _, data in logged if "spo/packing/packed_tokens" in data)
     return {
         "algorithm": algorithm, "configuration": configuration, "phases": phases,
+        "step_all": _median_after_first(logged, "timing_s/step"),
         "step_times": [data.get("timing_s/step") for _, data in logged],
+        "updated": [_updated(data) for _, data in logged],
         "update_tokens": {"forwarded": forwarded, "unique": unique, "rows": row_tokens, "exact": exact},
         "generated_tokens": _median_after_first(logged, "spo/generated_tokens"),
         "peak_memory_gib": memory.peak_gib, "wall_s": time.perf_counter() - started,
