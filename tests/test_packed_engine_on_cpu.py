@@ -149,6 +149,17 @@ CHECK = textwrap.dedent(
     tied_rows = run("one micro-batch", on_policy=True, engine=engine)
     enable_packed_training(engine, PackedTrainingSettings(chunk_tokens=7))
     tied_packed = run("one micro-batch", on_policy=True, engine=engine)
+    # An actor update of two mini-batches, as verl's worker runs it (train mode around the update and
+    # around each mini-batch): only the first mini-batch, before any optimizer step, is probed.
+    probed = []
+    with engine.train_mode():
+        for _ in range(2):
+            with engine.train_mode():
+                engine.optimizer_zero_grad()
+                out = engine.forward_backward_batch(batch("one micro-batch"), loss_fn, forward_only=False)
+                engine.optimizer_step()
+            probed.append(sorted(k for k in out["metrics"] if k.startswith("spo/old_log_probs/")))
+    results["probed_mini_batches"] = probed
     results["tied_head"] = {**compare(tied_rows, tied_packed), "probe": tied_packed["probe"],
                             "random_old_probe": packed["one micro-batch"]["probe"],
                             "response_tokens": int(batch("one micro-batch")["response_mask"].sum())}
@@ -213,6 +224,9 @@ def test_first_mini_batch_compares_the_old_log_probs_with_the_actor(results):
     assert tied["probe"]["probs_diff_max"] < 1e-4 and tied["probe"]["prob_mask_flips"] == 0  # on policy
     random_old = tied["random_old_probe"]  # the other cases' old log-probs are random
     assert random_old["probs_diff_max"] > 0.1 and random_old["prob_mask_flips"] > 0
+    # Two mini-batches of one update: after the first optimizer step the actor has moved on.
+    assert results["probed_mini_batches"] == [["spo/old_log_probs/prob_mask_flips", "spo/old_log_probs/probs_diff_max",
+                                               "spo/old_log_probs/tokens"], []]
 
 
 def test_packed_engine_counts_its_tokens(results):

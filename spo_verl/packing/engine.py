@@ -164,11 +164,23 @@ class PackedEngineMixin:
     spo_packing: PackedTrainingSettings
     _spo_optimizer_steps = 0
     _spo_steps_at_train_start = -1
+    _spo_train_depth = 0
 
     def train_mode(self, **kwargs):
-        # verl's worker enters train mode once per actor update (all its mini-batches and epochs).
-        self._spo_steps_at_train_start = self._spo_optimizer_steps
-        return super().train_mode(**kwargs)
+        return self._outermost_counted(super().train_mode(**kwargs))
+
+    @contextlib.contextmanager
+    def _outermost_counted(self, context):
+        # verl's worker enters train mode once around an actor update (all its mini-batches and epochs)
+        # and again around each mini-batch: the update starts where the outermost one is entered.
+        if self._spo_train_depth == 0:
+            self._spo_steps_at_train_start = self._spo_optimizer_steps
+        self._spo_train_depth += 1
+        try:
+            with context as value:
+                yield value
+        finally:
+            self._spo_train_depth -= 1
 
     def optimizer_step(self):
         self._spo_optimizer_steps += 1
