@@ -7,8 +7,8 @@ every (algorithm, seed) its own verl run to the same budget of generated tokens,
 
 Each run is the project's run script (``scripts/spo_launch.sh``) with the study's setting, in its own
 folder ``<output-dir>/<algorithm>/seed<k>/``. Running the command again skips finished runs (their
-``done.json``) and resumes unfinished ones from their last checkpoint (one is kept, written at every
-validation), with the generated tokens the earlier attempts spent up to that checkpoint taken off the
+``done.json``) and resumes unfinished ones from their last checkpoint whose step was logged (two are
+kept, written at every validation), with the generated tokens the earlier attempts spent up to that checkpoint taken off the
 budget; so a study survives a killed job and can be spread over several sittings. One progress line
 per step and one line per finished run are printed.
 
@@ -124,6 +124,16 @@ class RunFolder:
         marker = self.checkpoints / "latest_checkpointed_iteration.txt"
         return int(marker.read_text().strip()) if marker.exists() else 0
 
+    def resumable_step(self) -> int:
+        """The latest completed checkpoint whose steps up to it are all in the metrics (verl saves a
+        step's checkpoint before it logs the step, so a run stopped in between has a checkpoint whose
+        step, and its generated tokens, were never logged: resume from the one before); 0: none."""
+        logged = set(self.merged_steps())
+        done = self.checkpointed_step()
+        steps = sorted((int(path.name.removeprefix("global_step_")) for path in self.checkpoints.glob("global_step_*")
+                        if path.name.removeprefix("global_step_").isdigit()), reverse=True)
+        return next((step for step in steps if step <= done and set(range(1, step + 1)) <= logged), 0)
+
     def merged_steps(self) -> dict[int, dict]:
         """Every step once, from the attempt that ran it last: a resumed attempt redoes the steps after
         the checkpoint it resumed from, so an earlier attempt's steps past that point are dropped."""
@@ -219,7 +229,9 @@ def run_one(study: Study, algorithm: str, seed: int) -> bool:
         print(f"compare: {name}: finished earlier, skipped ({folder.path / DONE_FILE})", flush=True)
         return True
     _wait_for_earlier_attempt(folder, name)
-    resumed_from = folder.checkpointed_step()
+    resumed_from = folder.resumable_step()
+    if resumed_from == 0:
+        shutil.rmtree(folder.checkpoints, ignore_errors=True)  # nothing usable: start from the base model
     spent = folder.spent_until(resumed_from)
     remaining = max(1, int(study.token_budget - spent))
     metrics = folder.new_attempt(resumed_from)
@@ -240,7 +252,10 @@ def run_one(study: Study, algorithm: str, seed: int) -> bool:
         f"algorithm.spo.sample_log.dir={folder.path}",
         f"data.seed={seed}", f"actor_rollout_ref.rollout.seed={seed}",
         f"trainer.val_before_train={str(resumed_from == 0).lower()}",  # step 0: the base model's accuracy
-        "trainer.resume_mode=auto", "trainer.max_actor_ckpt_to_keep=1",
+        # Two checkpoints kept: the latest may belong to a step that was never logged.
+        *(["trainer.resume_mode=resume_path", f"trainer.resume_from_path={folder.checkpoints / f'global_step_{resumed_from}'}"]
+          if resumed_from else ["trainer.resume_mode=disable"]),
+        "trainer.max_actor_ckpt_to_keep=2",
         *([f"actor_rollout_ref.actor.optim.lr={study.lr}"] if study.lr is not None else []),
         *study.overrides,
     ]

@@ -32,6 +32,7 @@ import torch
 
 from spo_verl import cpu_default
 from spo_verl.run_summary import read_steps
+from spo_verl.study import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 900
@@ -181,8 +182,9 @@ def _run_study(work: Path, cache: Path) -> Study:
             process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
             deadline = time.monotonic() + RUN_TIMEOUT_S
             while process.poll() is None and time.monotonic() < deadline:
-                if attempt == 0 and marker.exists() and marker.read_text().strip() not in ("", "0"):
-                    process.terminate()  # as a scheduler ends a job: SIGTERM
+                logged = [step for step, _ in read_metrics(folder / "metrics-attempt1.jsonl")] if attempt == 0 else []
+                if attempt == 0 and marker.exists() and marker.read_text().strip() not in ("", "0") and 1 in logged:
+                    process.terminate()  # as a scheduler ends a job: SIGTERM, once step 1 is checkpointed and logged
                 time.sleep(1)
             if process.poll() is None:
                 process.kill()
@@ -402,9 +404,11 @@ def test_study_resumes_a_killed_run_and_skips_a_finished_one(runs):
     # Run again: resumed from that checkpoint with the tokens spent so far off the budget, finished.
     assert study.resumed.returncode == 0, study.resumed.failure()
     resumed_log = study.resumed.log.read_text()
+    # From the last checkpoint whose step was logged (the study was stopped after step 1's checkpoint
+    # and its log line; stopped in between, it would resume from the checkpoint before).
     match = re.search(r"compare: spo_tree/seed0: resuming from step (\d+) \(([\d,]+) tokens spent\)", resumed_log)
     assert match, resumed_log[-2000:]
-    resumed_from = int(match.group(1))
+    resumed_from, spent = int(match.group(1)), int(match.group(2).replace(",", ""))
     assert resumed_from >= 1
     attempts = json.loads((study.folder / "attempts.json").read_text())
     assert [a["resumed_from"] for a in attempts] == [0, resumed_from]
@@ -419,8 +423,7 @@ def test_study_resumes_a_killed_run_and_skips_a_finished_one(runs):
         cumulative += steps[step]["spo/generated_tokens"]
         assert steps[step]["spo/generated_tokens_cumulative"] == pytest.approx(cumulative)
     assert cumulative >= 500 or max(steps) == 3  # the quick budget, or the step bound
-    assert int(match.group(2).replace(",", "")) == pytest.approx(
-        sum(steps[s]["spo/generated_tokens"] for s in range(1, resumed_from + 1)), abs=1)
+    assert spent == pytest.approx(sum(steps[s]["spo/generated_tokens"] for s in range(1, resumed_from + 1)), abs=1)
     done = json.loads((study.folder / "done.json").read_text())
     assert done["steps"] == max(steps) and done["attempts"] == 2
     assert not (study.folder / "checkpoints").exists(), "a finished run keeps no checkpoint"

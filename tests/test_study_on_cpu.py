@@ -35,12 +35,19 @@ def test_an_attempt_resumed_from_a_checkpoint_replaces_the_steps_after_it(tmp_pa
     assert study.validation_accuracy(dict(merged)[4]) == 0.3
 
 
-def test_a_run_without_a_checkpoint_starts_again_with_the_whole_budget(tmp_path):
+def test_a_run_resumes_from_its_last_checkpoint_whose_steps_were_logged(tmp_path):
     folder = study.RunFolder.open(tmp_path / "grpo" / "seed1")
-    assert folder.checkpointed_step() == 0 and folder.spent_until(0) == 0 and not folder.done
-    (folder.checkpoints).mkdir()
-    (folder.checkpoints / "latest_checkpointed_iteration.txt").write_text("5\n")
-    assert folder.checkpointed_step() == 5
+    assert folder.resumable_step() == 0 and folder.spent_until(0) == 0 and not folder.done
+    for step in (2, 4):
+        (folder.checkpoints / f"global_step_{step}").mkdir(parents=True)
+    (folder.checkpoints / "latest_checkpointed_iteration.txt").write_text("4\n")
+    assert folder.checkpointed_step() == 4
+    attempt = folder.new_attempt(resumed_from=0)
+    # Stopped after step 4's checkpoint but before verl logged step 4: resume from step 2.
+    write_metrics(attempt, [(0, {}), (1, {study.GENERATED: 10.0}), (2, {study.GENERATED: 10.0}), (3, {study.GENERATED: 10.0})])
+    assert folder.resumable_step() == 2
+    write_metrics(attempt, [(0, {}), *[(s, {study.GENERATED: 10.0}) for s in (1, 2, 3, 4)]])
+    assert folder.resumable_step() == 4
 
 
 def test_options_and_their_errors(capsys):
