@@ -66,13 +66,18 @@ def write_results_csv(runs: Sequence[Run], path: Path) -> Path:
     return path
 
 
-def write_summary_csv(summaries: Sequence[Summary], path: Path) -> Path:
+def _write_records(records: Sequence, columns: list[str], path: Path) -> Path:
+    """One CSV line per record (a dataclass), the named attributes as columns."""
     with path.open("w", newline="", encoding="utf-8") as handle:
         writer = csv.writer(handle)
-        writer.writerow(SUMMARY_COLUMNS)
-        for summary in summaries:
-            writer.writerow([_cell(getattr(summary, c)) for c in SUMMARY_COLUMNS])
+        writer.writerow(columns)
+        for record in records:
+            writer.writerow([_cell(getattr(record, c)) for c in columns])
     return path
+
+
+def write_summary_csv(summaries: Sequence[Summary], path: Path) -> Path:
+    return _write_records(summaries, SUMMARY_COLUMNS, path)
 
 
 GROUP_COLUMNS = ["group", "algorithm", "seeds", "base_heldout_accuracy", "final_heldout_accuracy_mean",
@@ -130,9 +135,4 @@ def summarize_groups(runs: Sequence[Run], summaries: Sequence[Summary]) -> list[
 
 
 def write_group_csv(groups: Sequence[GroupSummary], path: Path) -> Path:
-    with path.open("w", newline="", encoding="utf-8") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(GROUP_COLUMNS)
-        for group in groups:
-            writer.writerow([_cell(getattr(group, c)) for c in GROUP_COLUMNS])
-    return path
+    return _write_records(groups, GROUP_COLUMNS, path)
