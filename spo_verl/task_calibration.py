@@ -44,7 +44,8 @@ def measure(tasks: list[str], count: int, samples: int, cache: Path) -> dict:
     llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=512, seed=0,
               gpu_memory_utilization=0.2)
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
-    sampled = SamplingParams(temperature=1.0, n=samples, max_tokens=MAX_NEW_TOKENS, seed=0)
+    # No per-request seed: vLLM's CPU sampler has no seeded generators ("CPU Generator does not use offset").
+    sampled = SamplingParams(temperature=1.0, n=samples, max_tokens=MAX_NEW_TOKENS)
     results = {}
     for task in tasks:
         problems = cpu_smollm2.problems(count, cpu_smollm2.SEED + 1, task)
