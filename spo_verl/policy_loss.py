@@ -1,6 +1,6 @@
 """verl adapters: the ``spo_prob_mask`` policy loss and its configuration.
 
-``spo_prob_mask`` is PPO-clip restricted to the probability-masked tokens (SPO.md 4). It works
+``spo_prob_mask`` is PPO-clip restricted to the probability-masked tokens. It works
 with any advantage estimator, ``grpo`` included. Its settings are ``algorithm.spo.prob_mask.*``;
 the SPO recipe hands them to the actor through ``SPOPolicyLossConfig`` (``policy_loss.spo``), and
 without that the paper's defaults apply.
@@ -125,7 +125,7 @@ def spo_ppo_loss(config: Any, model_output: dict, data: Any, dp_group=None):
 
     With ``spo_prob_mask`` in ``reference`` normalisation and ``actor.use_kl_loss`` on, the KL to the
     reference model is k3 summed over the probability-masked tokens of each sequence and averaged
-    over sequences, times ``actor.kl_loss_coef`` (SPO.md 4); everything else is verl's ``ppo_loss``.
+    over sequences, times ``actor.kl_loss_coef``; everything else is verl's ``ppo_loss``.
     The SPO trainer installs this on the actor workers with ``set_loss_fn``.
     """
     loss_mode = config.policy_loss.get("loss_mode", "vanilla")

@@ -1,4 +1,4 @@
-"""SPO maths: the worked examples of SPO.md section 6, exactly, and properties on random inputs."""
+"""SPO maths: the worked examples, exactly, and properties on random inputs."""
 
 import math
 import random

@@ -1,4 +1,4 @@
-"""The spo_prob_mask loss: SPO.md 6's masked-loss numbers, directly and through verl's actor loss path."""
+"""The spo_prob_mask loss: the paper's masked-loss numbers, directly and through verl's actor loss path."""
 
 import math
 
@@ -106,7 +106,7 @@ def test_verl_normalization_is_vanilla_on_masked_tokens_over_all_response_tokens
 
 
 def test_reference_normalization_is_not_zeroed_advantages_over_response_tokens():
-    """SPO.md 4: verl's token-mean divides by all response tokens, the reference by masked-in ones."""
+    """the paper: verl's token-mean divides by all response tokens, the reference by masked-in ones."""
     mask = probability_mask(OLD_LOG_PROB, RESPONSE_MASK)
     global_info = GLOBAL_INFO
     config = actor_config("reference")

@@ -125,7 +125,7 @@ def test_probability_mask_flags_follow_the_threshold():
 
 
 def test_chain_segments_from_the_worked_example():
-    """SPO.md 6: p as given, cutpoints int2 at 1, 5, 9, V = [.5, .25, .75], R = 1."""
+    """the paper: p as given, cutpoints int2 at 1, 5, 9, V = [.5, .25, .75], R = 1."""
     probs = torch.tensor([0.99, 0.72, 1.0, 0.85, 1.0, 0.56, 0.92, 0.23, 0.98, 0.11, 1.0])
     row = {"segment_starts": [1, 5, 9], "boundary_values": [0.5, 0.25, 0.75], "truncated": False}
     rewards = torch.zeros(1, 11)

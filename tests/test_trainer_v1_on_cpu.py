@@ -182,7 +182,7 @@ def test_a_step_with_nothing_to_train_skips_the_actor(transfer_queue, monkeypatc
 
 
 def test_chain_worked_example_through_transfer_queue(transfer_queue):
-    """SPO.md 6's chain example on the default trainer's data path: p, cutpoints int2, V, R = 1."""
+    """the paper's chain example on the default trainer's data path: p, cutpoints int2, V, R = 1."""
     probs = [0.99, 0.72, 1.0, 0.85, 1.0, 0.56, 0.92, 0.23, 0.98, 0.11, 1.0]
     chain = {"segment_starts": [1, 5, 9], "boundary_values": [0.5, 0.25, 0.75],
              "chain": {"boundaries": 3, "mc_continuations": 27, "mc_tokens": 100, "mc_truncated": 9, "cutpoint_requests": 0,
@@ -248,7 +248,7 @@ def test_the_sample_log_gets_the_whole_tree_from_transfer_queue(transfer_queue, 
     assert record["step"] == 5 and record["algorithm"] == "spo_tree"
     assert len(record["responses"]) == 9  # every leaf of the tree, not responses_per_step; no padding row
     nodes = {n["id"]: n for n in record["tree"]["nodes"]}
-    # SPO.md 6, the paper's tree: V(a) = 2/3, V(b) = 1, V(c) = 0, V(root) = 5/9.
+    # the paper's tree: V(a) = 2/3, V(b) = 1, V(c) = 0, V(root) = 5/9.
     assert nodes["root"]["value"] == pytest.approx(5 / 9, abs=1e-6)
     assert [nodes[n]["value"] for n in "123"] == pytest.approx([2 / 3, 1, 0], abs=1e-6)
     assert [nodes[n]["advantage"] for n in "123"] == pytest.approx([1 / 9, 4 / 9, -5 / 9], abs=1e-6)

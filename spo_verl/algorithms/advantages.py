@@ -1,4 +1,4 @@
-"""Segment values and advantages (SPO.md section 3). Plain Python, the readable reference."""
+"""Segment values and advantages (docs/FIDELITY.md). Plain Python, the readable reference."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def check_segment_starts(num_tokens: int, segment_starts: Sequence[int]) -> None
 
 
 def chain_segment_advantages(boundary_values: Sequence[float], reward: float) -> list[float]:
-    """``A_j = V_{j+1} - V_j`` with ``V_{last+1} = reward`` (SPO.md 3a)."""
+    """``A_j = V_{j+1} - V_j`` with ``V_{last+1} = reward``."""
     values_after = list(boundary_values[1:]) + [reward]
     return [after - before for before, after in zip(boundary_values, values_after)]
 
@@ -79,7 +79,7 @@ def node_depths(parents: Sequence[int]) -> list[int]:
 
 def tree_values(parents: Sequence[int], leaf_rewards: Mapping[int, float]) -> list[float]:
     """V of every node: a leaf's reward; an internal node's value is the mean of its children's
-    values (a mean of means, SPO.md 3b)."""
+    values (a mean of means, the paper)."""
     check_parents(parents)
     children = children_lists(parents)
     leaves = {node for node, kids in enumerate(children) if not kids}

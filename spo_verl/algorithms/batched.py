@@ -41,7 +41,7 @@ def chain_token_advantages_batched(
     rewards: torch.Tensor,
     response_length: int,
 ) -> torch.Tensor:
-    """(B, T) token advantages of a batch of chains (SPO.md 3a), before the probability mask.
+    """(B, T) token advantages of a batch of chains before the probability mask.
 
     ``segment_starts``/``boundary_values`` are (B, S); only the first ``num_segments[b]`` entries of
     row b are read, and they must be increasing offsets below T (the estimator checks this). Head
@@ -84,7 +84,7 @@ def node_depths_batched(parents: torch.Tensor) -> torch.Tensor:
 
 
 def tree_values_batched(parents: torch.Tensor, leaf_rewards: torch.Tensor) -> torch.Tensor:
-    """Node values of a forest (SPO.md 3b): leaves take ``leaf_rewards`` (entries of internal nodes are
+    """Node values of a forest: leaves take ``leaf_rewards`` (entries of internal nodes are
     ignored), an internal node the mean of its children's values. One pass per depth level."""
     num_nodes = parents.numel()
     has_parent = parents >= 0

@@ -1,4 +1,4 @@
-"""The probability mask and the reference SPO policy loss (SPO.md section 4), in plain torch."""
+"""The probability mask and the reference SPO policy loss (docs/FIDELITY.md), in plain torch."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ RATIO_SKIP_THRESHOLD = 10.0
 def probability_mask(old_log_probs: torch.Tensor, response_mask: torch.Tensor, threshold: float = 0.9) -> torch.Tensor:
     """``response_mask AND p_old < threshold``: the tokens where the sampling policy could have branched.
 
-    ``old_log_probs`` must come from temperature-scaled logits (SPO.md 2), as verl's actor recomputes
+    ``old_log_probs`` must come from temperature-scaled logits as verl's actor recomputes
     them (it divides the logits by the rollout temperature).
     """
     if not 0.0 < threshold <= 1.0:

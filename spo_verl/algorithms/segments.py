@@ -1,4 +1,4 @@
-"""Segment partitions of one response (SPO.md section 2). Plain Python, the readable reference."""
+"""Segment partitions of one response (docs/FIDELITY.md). Plain Python, the readable reference."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def low_probability_positions(token_probs: Sequence[float], threshold: float = 0
 
 
 def cutpoint_segment_starts(token_probs: Sequence[float], threshold: float = 0.9, interval: int = 5) -> list[int]:
-    """Start index of each SPO-chain segment (SPO.md 2a).
+    """Start index of each SPO-chain segment.
 
     Every ``interval``-th low-probability token starts a segment, beginning with the first one;
     no low-probability token means no segment (all advantages 0).
@@ -26,7 +26,7 @@ def cutpoint_segment_starts(token_probs: Sequence[float], threshold: float = 0.9
 
 
 def select_cutpoints(low_positions: Sequence[int], interval: int = 5) -> list[int]:
-    """Every ``interval``-th of the low-probability positions, beginning with the first (SPO.md 2a)."""
+    """Every ``interval``-th of the low-probability positions, beginning with the first."""
     if int(interval) != interval or interval < 1:
         raise ValueError(f"interval must be a positive integer, got {interval!r}")
     return list(low_positions)[:: int(interval)]
@@ -59,7 +59,7 @@ def fixed_count_segment_starts(num_tokens: int, num_segments: int) -> list[int]:
 
 
 def delimiter_segment_starts(token_ids: Sequence[int], delimiter_ids: Collection[int]) -> list[int]:
-    """Reasoning-step partition (VinePPO style, SPO.md 2c).
+    """Reasoning-step partition (VinePPO style, the paper).
 
     The first segment starts at token 0 and every token right after a delimiter token (e.g. the
     id of a blank line) starts a new one; a trailing delimiter opens no empty segment.

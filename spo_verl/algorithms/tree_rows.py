@@ -269,7 +269,7 @@ def tree_token_advantages(
     generator: torch.Generator | None = None,
     zero_untrained: bool = False,
 ) -> TreeBatchAdvantages:
-    """Token advantages for a batch of leaf rows (SPO.md 3b).
+    """Token advantages for a batch of leaf rows.
 
     Rows whose ``tree_id`` is None (e.g. verl's padding rows) get advantage 0 and train nothing.
     ``trained_mask`` gives each segment to exactly one row (the first that contains it), so a segment

@@ -1,4 +1,4 @@
-"""SPO-chain rollout logic over verl's ``generate`` interface (SPO.md 2a, 2c, 3a): segment boundaries
+"""SPO-chain rollout logic over verl's ``generate`` interface : segment boundaries
 of a sampled response and their Monte Carlo values."""
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ async def low_probability_tokens(generate: Generate, request_id: str, prompt_ids
                                  log_probs: Sequence[float], sampling_params: dict,
                                  threshold: float) -> LowProbabilityTokens:
     """The response tokens with ``p < threshold`` under the policy's temperature-scaled distribution
-    softmax(logits / T), without top-k or top-p, as the SPO reference finds cutpoints (SPO.md 2), from
+    softmax(logits / T), without top-k or top-p, as the SPO reference finds cutpoints from
     the sampled tokens' log-probs where they decide it and from the engine where they do not."""
     decided = low_probability_from_sampler(
         log_probs, threshold, sampling_params.get("top_p", 1.0), sampling_params.get("top_k", -1)

@@ -1,4 +1,4 @@
-"""Sampling one SPO tree per prompt through verl's ``generate`` interface (SPO.md 2b, 3b).
+"""Sampling one SPO tree per prompt through verl's ``generate`` interface.
 
 ``generate(request_id, *, prompt_ids, sampling_params) -> TokenOutput`` is verl's server-manager
 call: token ids in, token ids and log-probs out. A child segment continues its parent's prefix by
