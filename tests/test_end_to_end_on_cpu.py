@@ -436,11 +436,13 @@ def test_study_resumes_a_killed_run_and_skips_a_finished_one(runs):
     assert study.again.returncode == 0, study.again.failure()
     assert "compare: spo_tree/seed0: finished earlier, skipped" in study.again.log.read_text()
     report = study.folder.parents[1] / "report"
-    for name in ("accuracy_vs_step.png", "accuracy_vs_generated_tokens.png", "reward_vs_step.png",
-                 "reward_vs_generated_tokens.png", "results.csv", "summary.csv", "report.html"):
+    for name in ("accuracy_vs_step.png", "accuracy_vs_generated_tokens.png", "accuracy_vs_wall_time.png",
+                 "reward_vs_step.png", "reward_vs_generated_tokens.png", "reward_vs_wall_time.png", "results.csv",
+                 "summary.csv", "groups.csv", "report.html"):
         assert (report / name).stat().st_size > 0, name
     page = (report / "report.html").read_text()
     assert "<svg" in page and "SPO tree" in page and "data:image/png;base64," in page
+    assert "Where the credit goes: SPO-tree against GRPO" in page and "GRPO: A " in page
 
 
 def test_study_help_lists_its_options():

@@ -29,8 +29,9 @@ from spo_verl.trainer.sample_log import SAMPLES_FILE, SampledResponse, append_re
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"
 ACCURACY = "val-core/openai/gsm8k/acc/mean@1"
-OUTPUTS = ["accuracy_vs_step.png", "accuracy_vs_generated_tokens.png", "reward_vs_step.png",
-           "reward_vs_generated_tokens.png", "results.csv", "summary.csv", "report.html"]
+PLOTS = ["accuracy_vs_step.png", "accuracy_vs_generated_tokens.png", "accuracy_vs_wall_time.png", "reward_vs_step.png",
+         "reward_vs_generated_tokens.png", "reward_vs_wall_time.png"]
+OUTPUTS = [*PLOTS, "results.csv", "summary.csv", "groups.csv", "report.html"]
 
 
 class WordTokenizer:
@@ -124,7 +125,9 @@ def recorded_runs(tmp_path_factory):
     for step in range(1, 5):
         validation = {ACCURACY: 0.1 + 0.1 * step} if step % 2 == 0 else {}
         tree_steps.append((step, training_step(0.3 + 0.1 * step, 10.0, 900, 10.0, 5.0,
-                                               **{"spo/tree/generated_tokens": 100.0 + step, **validation})))
+                                               **{"spo/tree/generated_tokens": 100.0 + step, **validation,
+                                                  "timing_s/gen": 4.0, "timing_s/update_actor": 3.0,
+                                                  **({"timing_s/testing": 1.5} if validation else {})})))
         chain_steps.append((step, training_step(0.25 + 0.1 * step, 20.0, 1000, 10.0, 15.0,
                                                 **{"spo/chain/mc_tokens": 400.0, **validation})))
         grpo_steps.append((step, training_step(0.2 + 0.05 * step, 5.0, 1000, 10.0, 15.0,
@@ -160,7 +163,7 @@ def test_generated_tokens_prefer_the_runs_own_count():
 def test_every_plot_and_table_is_written(recorded_runs):
     for name in OUTPUTS:
         assert (recorded_runs / name).stat().st_size > 0, name
-    for name in OUTPUTS[:4]:
+    for name in PLOTS:
         with Image.open(recorded_runs / name) as image:
             assert image.format == "PNG" and image.size[0] >= 600 and image.size[1] >= 400
             image.verify()
@@ -182,6 +185,9 @@ def test_results_csv_has_one_row_per_run_and_step_with_the_recorded_numbers(reco
     assert float(by_key[("SPO-tree", 0)]["heldout_accuracy"]) == pytest.approx(0.1)
     assert by_key[("SPO-tree", 0)]["training_reward"] == "" and float(by_key[("SPO-tree", 0)]["cumulative_generated_tokens"]) == 0
     assert float(chain["wall_time_s"]) == 20 and float(chain["cumulative_wall_time_s"]) == 60
+    # Wall time by phase, from verl's timing_s/<phase> (empty where a phase did not run).
+    assert float(tree["gen_s"]) == 4 and float(tree["update_actor_s"]) == 3 and tree["testing_s"] == ""
+    assert float(by_key[("SPO-tree", 4)]["testing_s"]) == 1.5 and chain["gen_s"] == ""
     with (recorded_runs / "summary.csv").open() as handle:
         summary = {r["run"]: r for r in csv.DictReader(handle)}
     assert float(summary["SPO-tree"]["final_heldout_accuracy"]) == pytest.approx(0.5)
@@ -189,12 +195,14 @@ def test_results_csv_has_one_row_per_run_and_step_with_the_recorded_numbers(reco
     assert float(summary["SPO-chain"]["total_generated_tokens"]) == 4000
     assert summary["SPO-tree"]["algorithm"] == "spo_tree" and summary["SPO-tree"]["accuracy_metric"] == ACCURACY
     assert summary["GRPO+mask"]["algorithm"] == "grpo_prob_mask"  # grpo with the spo_prob_mask loss
+    assert float(summary["SPO-tree"]["gen_s"]) == 16 and float(summary["SPO-tree"]["testing_s"]) == 3
+    assert float(summary["SPO-chain"]["gen_s"]) == 0
 
 
 def test_the_page_is_self_contained_and_shows_the_segments_and_the_tree(recorded_runs):
     page = (recorded_runs / "report.html").read_text()
     assert "http://" not in page and "https://" not in page and "<script" not in page
-    assert page.count("data:image/png;base64,") == 4
+    assert page.count("data:image/png;base64,") == len(PLOTS)
     # The tree of the last step: V and A of its nodes (root, nodes 1 and 2: V 0.5, A 0; leaves A +-0.5),
     # the leaves' rewards, and every node's segment text.
     tree = tree_record(4)["tree"]
@@ -210,6 +218,18 @@ def test_the_page_is_self_contained_and_shows_the_segments_and_the_tree(recorded
     assert all(f">{token.replace('<', '&lt;').replace('>', '&gt;')}</span>" in page for token in chain["tokens"])
     assert "cutpoints (first token of each cut segment): &#x27;+3&#x27; (p=0.40), &#x27;5&#x27; (p=0.30)" in page
     assert page.count("class='seg cut'") >= 2 and "class='tok masked'" in page
+    # Each prompt is shown with its responses; the colours come with their numbers.
+    assert "prompt of response 0 and those after it until the next prompt: &lt;p&gt;What is 2+3?" in page
+    assert "advantage colour: " in page and ">+0.5</span>" in page and ">-0.5</span>" in page
+    # GRPO+mask's response: 5 tokens in the loss, advantage -0.7 on all, 2 with p_old below 0.9.
+    assert "5 in the loss &middot; 2 with a gradient (non-zero advantage, in the mask)" in page
+    # The tree's leaves under GRPO: verl's estimator on rewards 1, 0, 1, 0 gives +-0.5 / std(1, 0, 1, 0).
+    assert "Where the credit goes: SPO-tree against GRPO on the same responses" in page
+    grpo = 0.5 / np.std([1, 0, 1, 0], ddof=1)
+    assert page.count(f"GRPO: A {grpo:+.3f}") == 2 and page.count(f"GRPO: A {-grpo:+.3f}") == 2
+    # Wall time by phase in the run table: steps 40 s = generation 16 + actor update 12 + other 12; validation
+    # (outside verl's step timer) 3 s.
+    assert "generation, s" in page and "<td>40.0</td><td>16</td><td>0</td><td>12</td><td>12</td><td>3</td>" in page
 
 
 def _chromium_or_skip():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from spo_verl.report.runs import Run
 from spo_verl.report.tables import GroupSummary, Summary
-from spo_verl.visualize import LOGGED_STYLE, STYLE, advantage_colour, render_logged_response
+from spo_verl.report.response_view import LOGGED_STYLE, STYLE, advantage_colour, colour_scale, render_logged_response
 
 PAGE_STYLE = STYLE + LOGGED_STYLE + """
 body { max-width: 1500px; color: #222; }
@@ -50,32 +50,53 @@ def _with_error(mean, error) -> str:
     return _number(mean) + ("" if error is None else f" &plusmn; {error:.3f}")
 
 
+# The phases a reader compares (verl's timing_s/<phase>): three inside a step, the rest of the step as
+# "other"; validation runs outside verl's step timer (both trainers), so it is a column of its own.
+STEP_PHASES = {"gen": "generation", "old_log_prob": "old log-probs", "update_actor": "actor update"}
+
+
+def _phase_header() -> list[str]:
+    return [f"{label}, s" for label in STEP_PHASES.values()] + ["other in steps, s", "validation, s"]
+
+
+def _phase_cells(steps_total: float, phases: Mapping[str, float]) -> list[str]:
+    shown = [phases.get(phase) or 0.0 for phase in STEP_PHASES]
+    other = max(steps_total - sum(shown), 0.0)
+    return [f"{value:,.0f}" for value in [*shown, other, phases.get("testing") or 0.0]]
+
+
 def group_table(groups: Sequence[GroupSummary]) -> str:
     """Per algorithm over its seeds: mean &plusmn; standard error (shown only when some group has several seeds)."""
     if not any(group.seeds > 1 for group in groups):
         return ""
     header = ["algorithm", "seeds", "base model held-out acc", "final held-out acc", "best held-out acc (after step 0)",
-              "generated tokens (mean)", "steps (mean)", "wall time of steps, s (mean)"]
+              "generated tokens (mean)", "steps (mean)", "wall time of steps, s (mean)", *_phase_header()]
     rows = ["<table class='summary'><tr>" + "".join(f"<th>{h}</th>" for h in header) + "</tr>"]
     for g in groups:
         cells = [html.escape(g.group), str(g.seeds), _number(g.base_heldout_accuracy),
                  _with_error(g.final_heldout_accuracy_mean, g.final_heldout_accuracy_se),
                  _with_error(g.best_heldout_accuracy_mean, g.best_heldout_accuracy_se),
-                 f"{g.generated_tokens_mean:,.0f}", f"{g.steps_mean:.1f}", f"{g.wall_time_s_mean:,.0f}"]
+                 f"{g.generated_tokens_mean:,.0f}", f"{g.steps_mean:.1f}", f"{g.wall_time_s_mean:,.0f}",
+                 *_phase_cells(g.wall_time_s_mean, g.phase_s_mean)]
         rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     rows.append("</table><p class='meta'>&plusmn;: one standard error over seeds (sample standard deviation / "
-                "&radic;seeds); it leaves out the held-out set's own sampling error.</p>")
+                "&radic;seeds); it leaves out the held-out set's own sampling error. Wall time: verl's timing_s/step "
+                 "summed over the run's steps, split by its timers (timing_s/gen, old_log_prob, update_actor; the "
+                 "rest as other); validation (timing_s/testing, outside the step timer) beside it; means over "
+                 "seeds.</p>")
     return "".join(rows)
 
 
 def summary_table(summaries: Sequence[Summary]) -> str:
     header = ["run", "algorithm", "steps", "base model held-out acc", "final held-out acc",
-              "best held-out acc (after step 0)", "final training reward", "generated tokens", "wall time (s)"]
+              "best held-out acc (after step 0)", "final training reward", "generated tokens", "wall time (s)",
+              *_phase_header()]
     rows = ["<table class='summary'><tr>" + "".join(f"<th>{h}</th>" for h in header) + "</tr>"]
     for s in summaries:
         cells = [html.escape(s.run), html.escape(s.algorithm), str(s.steps), _number(s.base_heldout_accuracy),
                  _number(s.final_heldout_accuracy), _number(s.best_heldout_accuracy), _number(s.final_training_reward),
-                 f"{s.total_generated_tokens:,.0f}", f"{s.total_wall_time_s:,.1f}"]
+                 f"{s.total_generated_tokens:,.0f}", f"{s.total_wall_time_s:,.1f}",
+                 *_phase_cells(s.total_wall_time_s, s.phase_s)]
         rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     rows.append("</table>")
     return "".join(rows)
@@ -146,11 +167,15 @@ def _response_block(record: Mapping, response: Mapping, index: int, scale: float
     length = len(response["tokens"])
     masked = sum(response["in_prob_mask"])
     trained = sum(response["trained"])
+    # A trained token with advantage 0 (or, under the mask, p_old above the threshold) gets no gradient.
+    in_loss = response["in_prob_mask"] if record.get("prob_mask_applied") else [1] * length
+    moved = sum(1 for t in range(length) if response["trained"][t] and in_loss[t] and response["advantages"][t] != 0)
     cut_tokens = [f"{html.escape(repr(response['tokens'][s['start']]))} (p={response['probs'][s['start']]:.2f})"
                   for s in response["segments"] if s.get("cutpoint") and s["start"] < length]
     facts = [f"response {index}", f"uid {html.escape(str(response.get('uid', '')))}",
              f"score {_number(response.get('score'), '{:g}')}", f"{length} tokens", f"{len(response['segments'])} segment(s)",
-             f"{masked} below p {record['prob_mask_threshold']:g}", f"{trained} trained"]
+             f"{masked} below p {record['prob_mask_threshold']:g}", f"{trained} in the loss",
+             f"{moved} with a gradient (non-zero advantage{', in the mask' if record.get('prob_mask_applied') else ''})"]
     if response.get("truncated"):
         facts.append("truncated")
     block = [f"<div class='meta'>{' &middot; '.join(facts)}</div>"]
@@ -173,9 +198,14 @@ def samples_section(run: Run, responses_to_show: int) -> str:
              f"<p class='meta'>Loss {html.escape(str(record.get('loss_mode')))}; probability mask p &lt; "
              f"{record['prob_mask_threshold']:g} {'applied by the loss' if applied else 'not used by this loss'}. "
              f"{len(record['responses'])} response(s) logged this step, {len(responses)} shown.</p>"]
-    if responses:
-        parts.append(f"<div class='prompt'>prompt of response 0: {html.escape(responses[0]['prompt'])}</div>")
+    parts.append(f"<p>{colour_scale(scale)}</p>")
+    previous_prompt = None
     for index, response in enumerate(responses):
+        if response["prompt"] != previous_prompt:  # responses of one prompt are logged together
+            parts.append(f"<div class='prompt'>prompt of response {index}"
+                         f"{'' if index else ' and those after it until the next prompt'}: "
+                         f"{html.escape(response['prompt'])}</div>")
+            previous_prompt = response["prompt"]
         parts.append(_response_block(record, response, index, scale))
     if record.get("tree"):
         tree = record["tree"]
@@ -187,6 +217,49 @@ def samples_section(run: Run, responses_to_show: int) -> str:
         root = next(node for node in tree["nodes"] if node["parent"] is None)
         parts.append(f"<div class='prompt'>prompt: {html.escape(root['text'])}</div>")
         parts.append(f"<div class='tree'>{tree_svg(tree)}</div>")
+        parts.append(credit_section(record))
+    return "".join(parts)
+
+
+def grpo_advantages(rewards: Sequence[float]) -> list[float]:
+    """GRPO's advantage of each response of one group: verl's own outcome estimator on these rewards."""
+    import numpy as np
+    import torch
+    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+
+    scores = torch.zeros(len(rewards), 1)
+    scores[:, 0] = torch.tensor(rewards, dtype=torch.float32)
+    advantages, _ = compute_grpo_outcome_advantage(scores, torch.ones_like(scores),
+                                                   np.array(["group"] * len(rewards), dtype=object))
+    return [round(float(a), 6) for a in advantages[:, 0]]
+
+
+def credit_section(record: Mapping) -> str:
+    """The tree's responses twice: with SPO-tree's segment advantages, and with the one advantage GRPO
+    would give all of a response's tokens for the same rewards (verl's GRPO estimator over the leaves)."""
+    leaves = [node for node in record["tree"]["nodes"] if node.get("response") is not None]
+    if len(leaves) < 2:
+        return ""
+    responses = [record["responses"][leaf["response"]] for leaf in leaves]
+    grpo = grpo_advantages([leaf["reward"] for leaf in leaves])
+    spo_scale = max((abs(s["advantage"] or 0.0) for r in responses for s in r["segments"]), default=0.0)
+    scale = max([spo_scale, *map(abs, grpo)])
+    parts = ["<h3>Where the credit goes: SPO-tree against GRPO on the same responses</h3>",
+             "<p class='meta'>Each leaf of the tree above, first with the advantages SPO-tree trained it with "
+             "(one per segment: the segment's value minus its parent's), then with GRPO's (verl's estimator "
+             "on the same rewards: (R - group mean) / group std, one number for every token). Where "
+             "sibling responses share a prefix, GRPO pushes the shared tokens up in one response and down "
+             "in the other; SPO-tree gives a shared segment one advantage and credits the segments where "
+             "the responses part. One colour scale for both.</p>",
+             f"<p>{colour_scale(scale)}</p>"]
+    for leaf, response, advantage in zip(leaves, responses, grpo):
+        length = len(response["tokens"])
+        as_grpo = {**response, "advantages": [advantage] * length, "trained": [1] * length,
+                   "segments": [{"start": 0, "end": length, "advantage": advantage, "trained": True}]}
+        parts.append(f"<div class='meta'>response {leaf['response']} (node {html.escape(str(leaf['id']))}), "
+                     f"reward R {_number(leaf['reward'], '{:g}')}</div>")
+        parts.append("<div class='meta'>SPO-tree</div>" + render_logged_response(dict(response), scale, False))
+        parts.append(f"<div class='meta'>GRPO: A {advantage:+.3f}</div>" + render_logged_response(as_grpo, scale, False))
     return "".join(parts)
 
 

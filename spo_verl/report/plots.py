@@ -1,5 +1,5 @@
-"""The report's four PNG plots: held-out accuracy and training reward against the training step and
-against cumulative generated tokens (matplotlib, Agg backend). One line per run; runs that are seeds of
+"""The report's six PNG plots: held-out accuracy and training reward against the training step, against
+cumulative generated tokens and against training wall time (matplotlib, Agg backend). One line per run; runs that are seeds of
 one group (labels ``NAME/seed<k>``) are drawn faint, with the group's mean over seeds and a band of one
 standard error on a common x grid (each seed interpolated linearly, within the x range all seeds
 reach). The accuracy plots also draw the base model's held-out accuracy (the validations at step 0) as a
@@ -26,6 +26,10 @@ PLOTS = {
     "reward_vs_step.png": ("training_reward", "step", "training reward (mean score)", "training step"),
     "reward_vs_generated_tokens.png": ("training_reward", "cumulative_generated_tokens", "training reward (mean score)",
                                        "cumulative generated tokens"),
+    "accuracy_vs_wall_time.png": ("heldout_accuracy", "cumulative_wall_time_s", "held-out accuracy",
+                                  "training wall time, s (verl's step timer; validation excluded)"),
+    "reward_vs_wall_time.png": ("training_reward", "cumulative_wall_time_s", "training reward (mean score)",
+                                "training wall time, s (verl's step timer; validation excluded)"),
 }
 
 

@@ -13,7 +13,8 @@ Per step (``StepRow``):
   ``response_length/mean``) (rounded), response tokens = rows x ``response_length/mean``. (verl counts
   padding rows it adds for data-parallel balancing in ``perf/total_num_tokens`` but not in the means;
   the recipe's baselines never need any.)
-* wall time: ``timing_s/step``.
+* wall time: ``timing_s/step``, and by phase verl's other ``timing_s/*`` timers (``PHASES``: generation,
+  reward, old log-probs, advantages, actor update, weight sync, validation, checkpoint).
 The algorithm is recognised from the metrics themselves (``spo/tree/*``, ``spo/chain/*``).
 """
 
@@ -26,6 +27,9 @@ from pathlib import Path
 
 REWARD_KEY = "critic/score/mean"
 WALL_TIME_KEY = "timing_s/step"
+TIMING_PREFIX = "timing_s/"
+# verl's step timers, in the order a step runs them; the step's other time is what none of them covers.
+PHASES = ("gen", "reward", "old_log_prob", "adv", "update_actor", "update_weights", "testing", "save_checkpoint")
 GENERATED_TOKENS_KEY = "spo/generated_tokens"  # spo_verl.trainer.token_budget, when the run logs it
 TREE_TOKENS_KEY = "spo/tree/generated_tokens"
 CHAIN_MC_TOKENS_KEY = "spo/chain/mc_tokens"
@@ -42,6 +46,7 @@ class StepRow:
     heldout_accuracy: float | None
     wall_time_s: float | None
     cumulative_wall_time_s: float
+    phase_s: dict[str, float] = field(default_factory=dict)  # PHASES that ran this step: seconds
 
 
 @dataclass
@@ -136,6 +141,7 @@ def step_rows(steps: dict[int, dict], key: str | None) -> list[StepRow]:
             step=step, generated_tokens=tokens, cumulative_generated_tokens=tokens_so_far,
             training_reward=data.get(REWARD_KEY), heldout_accuracy=data.get(key) if key else None,
             wall_time_s=wall, cumulative_wall_time_s=time_so_far,
+            phase_s={phase: data[TIMING_PREFIX + phase] for phase in PHASES if TIMING_PREFIX + phase in data},
         ))
     return rows
 

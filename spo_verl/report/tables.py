@@ -8,10 +8,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from spo_verl.report.runs import Run
+from spo_verl.report.runs import PHASES, Run
 
+PHASE_COLUMNS = [f"{phase}_s" for phase in PHASES]  # verl's timing_s/<phase> of a step
 RESULT_COLUMNS = ["run", "algorithm", "seed", "step", "generated_tokens", "cumulative_generated_tokens", "training_reward",
-                  "heldout_accuracy", "wall_time_s", "cumulative_wall_time_s"]
+                  "heldout_accuracy", "wall_time_s", "cumulative_wall_time_s", *PHASE_COLUMNS]
 SUMMARY_COLUMNS = ["run", "algorithm", "steps", "base_heldout_accuracy", "final_heldout_accuracy", "best_heldout_accuracy",
                    "final_training_reward", "total_generated_tokens", "total_wall_time_s", "accuracy_metric"]
 
@@ -28,6 +29,7 @@ class Summary:
     total_generated_tokens: float
     total_wall_time_s: float
     accuracy_metric: str | None
+    phase_s: dict[str, float]  # seconds per phase over all steps (summary.csv: <phase>_s)
 
 
 def summarize(run: Run) -> Summary:
@@ -44,6 +46,7 @@ def summarize(run: Run) -> Summary:
         total_generated_tokens=last.cumulative_generated_tokens if last else 0.0,
         total_wall_time_s=last.cumulative_wall_time_s if last else 0.0,
         accuracy_metric=run.accuracy_key,
+        phase_s={phase: sum(row.phase_s.get(phase, 0.0) for row in run.steps) for phase in PHASES},
     )
 
 
@@ -62,22 +65,25 @@ def write_results_csv(runs: Sequence[Run], path: Path) -> Path:
         for run in runs:
             for row in run.steps:
                 writer.writerow([run.label, run.algorithm, _cell(run.seed), row.step,
-                                 *(_cell(getattr(row, c)) for c in RESULT_COLUMNS[4:])])
+                                 *(_cell(getattr(row, c)) for c in RESULT_COLUMNS[4:-len(PHASES)]),
+                                 *(_cell(row.phase_s.get(phase)) for phase in PHASES)])
     return path
 
 
-def _write_records(records: Sequence, columns: list[str], path: Path) -> Path:
-    """One CSV line per record (a dataclass), the named attributes as columns."""
+def _write_records(records: Sequence, columns: list[str], path: Path, phases: str, suffix: str) -> Path:
+    """One CSV line per record (a dataclass): the named attributes, then the dict attribute ``phases``
+    as one column per phase (``<phase><suffix>``)."""
     with path.open("w", newline="", encoding="utf-8") as handle:
         writer = csv.writer(handle)
-        writer.writerow(columns)
+        writer.writerow(columns + [phase + suffix for phase in PHASES])
         for record in records:
-            writer.writerow([_cell(getattr(record, c)) for c in columns])
+            writer.writerow([_cell(getattr(record, c)) for c in columns]
+                            + [_cell(getattr(record, phases).get(phase)) for phase in PHASES])
     return path
 
 
 def write_summary_csv(summaries: Sequence[Summary], path: Path) -> Path:
-    return _write_records(summaries, SUMMARY_COLUMNS, path)
+    return _write_records(summaries, SUMMARY_COLUMNS, path, "phase_s", "_s")
 
 
 GROUP_COLUMNS = ["group", "algorithm", "seeds", "base_heldout_accuracy", "final_heldout_accuracy_mean",
@@ -101,6 +107,7 @@ class GroupSummary:
     generated_tokens_mean: float
     steps_mean: float
     wall_time_s_mean: float
+    phase_s_mean: dict[str, float]  # groups.csv: <phase>_s_mean
 
 
 def mean_and_se(values: Sequence[float]) -> tuple[float | None, float | None]:
@@ -130,9 +137,10 @@ def summarize_groups(runs: Sequence[Run], summaries: Sequence[Summary]) -> list[
             generated_tokens_mean=mean_and_se(picked("total_generated_tokens"))[0] or 0.0,
             steps_mean=mean_and_se(picked("steps"))[0] or 0.0,
             wall_time_s_mean=mean_and_se(picked("total_wall_time_s"))[0] or 0.0,
+            phase_s_mean={phase: mean_and_se([s.phase_s.get(phase, 0.0) for _, s in members])[0] for phase in PHASES},
         ))
     return result
 
 
 def write_group_csv(groups: Sequence[GroupSummary], path: Path) -> Path:
-    return _write_records(groups, GROUP_COLUMNS, path)
+    return _write_records(groups, GROUP_COLUMNS, path, "phase_s_mean", "_s_mean")
