@@ -66,3 +66,22 @@ def provide_spo_rows(rows: Sequence[Mapping[str, Any] | None]) -> Iterator[SPOBa
 
 def current_spo_context() -> SPOBatchContext | None:
     return _current.get()
+
+
+_deferred: contextvars.ContextVar[bool] = contextvars.ContextVar("spo_advantages_deferred", default=False)
+
+
+@contextlib.contextmanager
+def advantages_at_actor_update() -> Iterator[None]:
+    """verl's legacy ``fit`` runs its advantage step without the batch's SPO metadata; inside this
+    context an SPO estimator called without rows returns zeros (a placeholder), and the SPO trainer
+    computes the real advantages with the rows when the batch reaches its actor update."""
+    token = _deferred.set(True)
+    try:
+        yield
+    finally:
+        _deferred.reset(token)
+
+
+def advantages_deferred() -> bool:
+    return _deferred.get()

@@ -17,7 +17,8 @@ from verl.trainer.ppo.core_algos import register_adv_est
 
 from spo_verl.algorithms.batched import chain_token_advantages_batched
 from spo_verl.algorithms.tree_rows import tree_token_advantages
-from spo_verl.batch_context import SPO_FIELD, SPOBatchContext, TreeNodes, current_spo_context, is_padding_uid
+from spo_verl.batch_context import (SPO_FIELD, SPOBatchContext, TreeNodes, advantages_deferred, current_spo_context,
+                                    is_padding_uid)
 from spo_verl.config import SPOSettings, parse_spo_settings
 
 
@@ -38,6 +39,15 @@ def _padding_rows(index: Any, batch_size: int) -> np.ndarray:
     if index is None:
         return np.zeros(batch_size, dtype=bool)
     return np.array([is_padding_uid(uid) for uid in index], dtype=bool)
+
+
+def _deferred_placeholder(token_level_rewards: torch.Tensor, spo_rows: Sequence | None):
+    """Zeros while the legacy trainer defers the SPO advantage step to its actor update
+    (``batch_context.advantages_at_actor_update``); None when this call is the real one."""
+    if spo_rows is None and current_spo_context() is None and advantages_deferred():
+        zeros = torch.zeros_like(token_level_rewards)
+        return zeros, zeros
+    return None
 
 
 def _rows_for(estimator: str, batch_size: int, index: Any, spo_rows: Sequence | None) -> tuple[list, SPOBatchContext | None]:
@@ -93,6 +103,8 @@ def compute_spo_chain_advantage(
     before each start). The reward R is the row's summed token-level reward (0 for a truncated response
     under ``algorithm.spo.truncated_response_score=zero``).
     """
+    if (placeholder := _deferred_placeholder(token_level_rewards, spo_rows)) is not None:
+        return placeholder
     batch_size, length = response_mask.shape
     rows, _ = _rows_for("spo_chain", batch_size, index, spo_rows)
     settings = _settings(config)
@@ -216,6 +228,8 @@ def compute_spo_tree_advantage(
     ``tree_id`` if given, else its uid. Each segment is trained by one row only; the mask of trained
     tokens is left on the batch context for the trainer to apply to the loss.
     """
+    if (placeholder := _deferred_placeholder(token_level_rewards, spo_rows)) is not None:
+        return placeholder
     batch_size, _ = response_mask.shape
     rows, context = _rows_for("spo_tree", batch_size, index, spo_rows)
     settings = _settings(config)

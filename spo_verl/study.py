@@ -2,8 +2,8 @@
 every (algorithm, seed) its own verl run to the same budget of generated tokens, then one report.
 
     bash scripts/compare.sh [--setting cpu-smollm2] [--algorithms spo_tree,grpo] [--seeds 0,1,2]
-                            [--token-budget 20000] [--lr 1e-5] [--val-every 5] [--max-steps 60]
-                            [--output-dir outputs/study] [--quick] [-- HYDRA_OVERRIDES...]
+                            [--token-budget 8000] [--lr 1e-5] [--prompts-per-step 8] [--val-every 5]
+                            [--max-steps 30] [--output-dir outputs/study] [--quick] [-- HYDRA_OVERRIDES...]
 
 Each run is the project's run script (``scripts/spo_launch.sh``) with the study's setting, in its own
 folder ``<output-dir>/<algorithm>/seed<k>/``. Running the command again skips finished runs (their
@@ -12,7 +12,10 @@ kept, written at every validation), with the generated tokens the earlier attemp
 budget; so a study survives a killed job and can be spread over several sittings. One progress line
 per step and one line per finished run are printed.
 
-On ``cpu-smollm2`` the held-out set is 256 problems (``VAL_FILES`` overrides it), validated greedily.
+On ``cpu-smollm2`` the held-out set is 256 problems (``VAL_FILES`` overrides it), validated greedily, and
+the study trains with the settings its learning-rate sweep chose (``STUDY_SETTING_DEFAULTS``, docs/RESULTS.md):
+8 prompts a step in 2 optimizer steps of 4. ``--prompts-per-step N`` sets ``data.train_batch_size=N``
+and ``ppo_mini_batch_size=N/2`` (two optimizer steps a step) on any setting.
 
 Seeds: seed ``k`` sets verl's ``data.seed`` (the order the training prompts are drawn in: the same
 for every algorithm under one seed) and ``actor_rollout_ref.rollout.seed`` (vLLM's engine seed).
@@ -54,13 +57,26 @@ class Study:
     val_every: int
     output_dir: Path
     lr: float | None = None
+    prompts_per_step: int | None = None
     overrides: tuple[str, ...] = ()
+
+    def training_overrides(self) -> list[str]:
+        """The study's training settings as Hydra overrides (the user's own come after them and win)."""
+        values = []
+        if self.lr is not None:
+            values.append(f"actor_rollout_ref.actor.optim.lr={self.lr}")
+        if self.prompts_per_step is not None:
+            values += [f"data.train_batch_size={self.prompts_per_step}",
+                       f"actor_rollout_ref.actor.ppo_mini_batch_size={self.prompts_per_step // 2}"]
+        return values + list(self.overrides)
 
 
 # --quick: the whole pipeline on the tiny model in minutes (CI); the defaults: the CPU default's study.
 QUICK = dict(setting="cpu-tiny", algorithms=("spo_tree",), seeds=(0,), token_budget=500, max_steps=3, val_every=1)
-DEFAULTS = dict(setting="cpu-smollm2", algorithms=ALGORITHMS, seeds=(0, 1, 2), token_budget=20_000, max_steps=60,
+DEFAULTS = dict(setting="cpu-smollm2", algorithms=ALGORITHMS, seeds=(0, 1, 2), token_budget=8_000, max_steps=30,
                 val_every=5)
+# What the study trains with on a setting unless told otherwise (elsewhere: the setting's own values).
+STUDY_SETTING_DEFAULTS = {"cpu-smollm2": dict(lr=1e-5, prompts_per_step=8)}
 
 
 def validation_accuracy(data: dict) -> float | None:
@@ -256,8 +272,7 @@ def run_one(study: Study, algorithm: str, seed: int) -> bool:
         *(["trainer.resume_mode=resume_path", f"trainer.resume_from_path={folder.checkpoints / f'global_step_{resumed_from}'}"]
           if resumed_from else ["trainer.resume_mode=disable"]),
         "trainer.max_actor_ckpt_to_keep=2",
-        *([f"actor_rollout_ref.actor.optim.lr={study.lr}"] if study.lr is not None else []),
-        *study.overrides,
+        *study.training_overrides(),
     ]
     how = f"resuming from step {resumed_from} ({spent:,.0f} tokens spent)" if resumed_from else "training"
     console = folder.path / f"console-attempt{len(folder.attempts)}.log"
@@ -322,7 +337,10 @@ def parse_args(argv=None) -> Study:
                         help=f"comma-separated subset of {','.join(ALGORITHMS)} (default: all)")
     parser.add_argument("--seeds", type=lambda t: _csv(int, t), help="comma-separated seeds (default 0,1,2)")
     parser.add_argument("--token-budget", type=int, help=f"generated tokens per run (default {DEFAULTS['token_budget']:,})")
-    parser.add_argument("--lr", type=float, help="actor learning rate (default: the setting's)")
+    parser.add_argument("--lr", type=float, help="actor learning rate (default: the study's for the setting, "
+                                                 "cpu-smollm2 1e-5; else the setting's)")
+    parser.add_argument("--prompts-per-step", type=int, help="prompts a step, in two optimizer steps (default: the "
+                                                             "study's for the setting, cpu-smollm2 8; else the setting's)")
     parser.add_argument("--val-every", type=int, help=f"validate and checkpoint every N steps (default {DEFAULTS['val_every']})")
     parser.add_argument("--max-steps", type=int, help=f"step bound per run (default {DEFAULTS['max_steps']})")
     parser.add_argument("--output-dir", type=Path, help="default: outputs/study-<setting>")
@@ -342,9 +360,15 @@ def parse_args(argv=None) -> Study:
             parser.error(f"--{key.replace('_', '-')} must be a positive integer, got {values[key]}")
     if args.lr is not None and not args.lr > 0:
         parser.error(f"--lr must be positive, got {args.lr}")
+    if args.prompts_per_step is not None and (args.prompts_per_step < 2 or args.prompts_per_step % 2):
+        parser.error(f"--prompts-per-step must be an even number of at least 2 (two optimizer steps), got "
+                     f"{args.prompts_per_step}")
+    setting_defaults = STUDY_SETTING_DEFAULTS.get(values["setting"], {})
+    lr = args.lr if args.lr is not None else setting_defaults.get("lr")
+    prompts = args.prompts_per_step if args.prompts_per_step is not None else setting_defaults.get("prompts_per_step")
     output_dir = (args.output_dir or REPO / "outputs" / f"study-{values['setting']}").resolve()
     return Study(values["setting"], tuple(values["algorithms"]), tuple(values["seeds"]), values["token_budget"],
-                 values["max_steps"], values["val_every"], output_dir, args.lr, tuple(args.overrides))
+                 values["max_steps"], values["val_every"], output_dir, lr, prompts, tuple(args.overrides))
 
 
 def _stop_on_sigterm(signum, frame):
@@ -357,7 +381,8 @@ def main(argv=None) -> int:
     runs = [(algorithm, seed) for seed in study.seeds for algorithm in study.algorithms]
     print(f"compare: {len(runs)} run(s) on SETTING={study.setting} ({', '.join(study.algorithms)}; seeds "
           f"{', '.join(map(str, study.seeds))}), each to {study.token_budget:,} generated tokens (at most "
-          f"{study.max_steps} steps), validating every {study.val_every}; output {study.output_dir}", flush=True)
+          f"{study.max_steps} steps), validating every {study.val_every}; training overrides: "
+          f"{' '.join(study.training_overrides()) or 'none'}; output {study.output_dir}", flush=True)
     started = time.monotonic()
     failed = [f"{a}/seed{s}" for a, s in runs if not run_one(study, a, s)]
     status = report(study)

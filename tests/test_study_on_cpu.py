@@ -57,9 +57,18 @@ def test_options_and_their_errors(capsys):
     assert full.setting == "cpu-smollm2" and full.algorithms == study.ALGORITHMS and full.seeds == (3, 4)
     assert full.lr == 1e-5 and full.token_budget == 9000 and full.overrides == ("data.train_batch_size=8",)
     assert full.output_dir.name == "study-cpu-smollm2"
+    # The study's own settings for the CPU default; the user's overrides come last, so they win.
+    assert full.training_overrides() == ["actor_rollout_ref.actor.optim.lr=1e-05", "data.train_batch_size=8",
+                                         "actor_rollout_ref.actor.ppo_mini_batch_size=4", "data.train_batch_size=8"]
+    default = study.parse_args([])
+    assert (default.lr, default.prompts_per_step, default.token_budget) == (1e-5, 8, 8000)
+    assert study.parse_args(["--setting", "cpu-tiny", "--prompts-per-step", "6"]).training_overrides() == [
+        "data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=3"]
+    assert quick.training_overrides() == []  # cpu-tiny: the setting's own lr and batch
     for argv, message in [(["--algorithms", "spo_tree,dpo"], "--algorithms must be a non-empty subset"),
                           (["--token-budget", "0"], "--token-budget must be a positive integer, got 0"),
                           (["--lr", "-1"], "--lr must be positive"),
+                          (["--prompts-per-step", "5"], "--prompts-per-step must be an even number of at least 2"),
                           (["--setting", "laptop"], "invalid choice: 'laptop'")]:
         with pytest.raises(SystemExit):
             study.parse_args(argv)

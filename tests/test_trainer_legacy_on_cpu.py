@@ -1,5 +1,7 @@
-"""SPO on verl's legacy trainer (trainer.use_v1=false): the batch's `spo` column reaches the estimator
-inside RayPPOTrainer.fit, and the loss is narrowed to the trained segments."""
+"""SPO on verl's legacy trainer (trainer.use_v1=false): verl's advantage step inside fit gets a
+placeholder, the SPO trainer's actor update computes the advantages with the batch's `spo` column and
+narrows the loss to the trained segments. The whole loop runs in tests/test_end_to_end_on_cpu.py
+(legacy-spo_tree, legacy-spo_chain)."""
 
 import numpy as np
 import pytest
@@ -9,18 +11,20 @@ from verl import DataProto
 from verl.trainer import main_ppo_v0
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
-import verl.trainer.ppo.ray_trainer as ray_trainer_module
+from verl.trainer.ppo.ray_trainer import compute_advantage
+
+from spo_verl.batch_context import advantages_at_actor_update, advantages_deferred
 from spo_verl.estimators import SPOMetadataMissingError
-from spo_verl.trainer.legacy import (
-    GENERATED_TOKENS_KEY,
-    SPO_METRICS_KEY,
-    SPORayPPOTrainer,
-    compute_advantage_with_spo_rows,
-    spo_advantage_hook,
-)
+from spo_verl.trainer.legacy import SPORayPPOTrainer, spo_advantage_step
 from spo_verl.trainer.runners import _SPOLegacyTaskRunner
 
-ALGORITHM = OmegaConf.create({"adv_estimator": "spo_tree", "spo": {}})
+
+def algorithm(estimator="spo_tree", **spo):
+    return OmegaConf.create({"adv_estimator": estimator, "gamma": 1.0, "lam": 1.0, "norm_adv_by_std_in_grpo": True,
+                             "spo": spo})
+
+
+ALGORITHM = algorithm()
 
 
 def legacy_batch(rows, rewards, lengths, width, uids):
@@ -47,7 +51,8 @@ def test_spo_column_reaches_the_estimator_and_narrows_the_loss_mask():
     ]
     data = legacy_batch(rows, [1.0, 1.0, 0.0, 1.0], [2, 2, 4, 3], 4, ["t"] * 4)
     data.batch["response_mask"][1] = 0  # the stand-in's mask is all zero
-    out = compute_advantage_with_spo_rows(data, "spo_tree", config=ALGORITHM)
+    metrics = spo_advantage_step(data, ALGORITHM, rollout_n=4)
+    out = data  # in place: fit's batch object
     assert out.batch["advantages"].tolist() == [
         pytest.approx([0.25, 0.25, 0, 0]),
         [0.0] * 4,
@@ -56,18 +61,52 @@ def test_spo_column_reaches_the_estimator_and_narrows_the_loss_mask():
     ]
     # Row 3 shares node 2 with row 2, which trains it; zero-advantage and padding tokens stay out.
     assert out.batch["response_mask"].tolist() == [[1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1], [0, 0, 1, 0]]
-    metrics = out.meta_info[SPO_METRICS_KEY]
+    assert metrics["spo/generated_tokens"] == 9  # the rows' response tokens (a stand-in's mask is 0)
     assert metrics["spo/trained_token_fraction"] == pytest.approx(7 / 9)
     assert metrics["spo/tree/advantage_abs_mean/depth1"] == pytest.approx(0.25)
 
 
 def test_non_spo_estimators_are_verls_unchanged():
     data = legacy_batch([None] * 4, [1.0, 0.0, 1.0, 0.0], [3] * 4, 3, ["g"] * 4)
-    before = data.batch["response_mask"].clone()
-    out = compute_advantage_with_spo_rows(data, "grpo", config=OmegaConf.create({"adv_estimator": "grpo"}))
-    assert torch.equal(out.batch["response_mask"], before)
-    assert SPO_METRICS_KEY not in out.meta_info
-    assert out.meta_info[GENERATED_TOKENS_KEY] == 12  # 4 responses of 3 tokens
+    grpo = algorithm("grpo")
+    data = compute_advantage(data, adv_estimator="grpo", num_repeat=4, config=grpo)  # fit's own step
+    before = {key: data.batch[key].clone() for key in ("response_mask", "advantages")}
+    metrics = spo_advantage_step(data, grpo, rollout_n=4)
+    assert all(torch.equal(data.batch[key], value) for key, value in before.items())
+    assert metrics == {"spo/generated_tokens": 12}  # 4 responses of 3 tokens
+
+
+def test_fit_defers_the_spo_advantage_step_to_the_actor_update(monkeypatch):
+    """verl's advantage step in fit has no SPO rows: inside SPORayPPOTrainer.fit an SPO estimator gives
+    zeros there; outside it, the same call fails with the fix."""
+    rows = [{"tree_id": "t", "path": [1], "segment_ends": [2], "trains": True},
+            {"tree_id": "t", "path": [2], "segment_ends": [2], "trains": True}]
+    seen = {}
+
+    def verl_fit(trainer):
+        seen["deferred"] = advantages_deferred()
+        data = legacy_batch([None, None], [1.0, 0.0], [2, 2], 2, ["t", "t"])
+        estimator = trainer.config.algorithm.adv_estimator
+        seen["advantages"] = compute_advantage(data, adv_estimator=estimator, num_repeat=2,
+                                               config=trainer.config.algorithm).batch["advantages"]
+
+    monkeypatch.setattr(RayPPOTrainer, "fit", verl_fit)
+    trainer = object.__new__(SPORayPPOTrainer)
+    trainer.config = OmegaConf.create({"algorithm": ALGORITHM})
+    trainer.fit()
+    assert seen["deferred"] and torch.equal(seen["advantages"], torch.zeros(2, 2))
+    assert not advantages_deferred()
+    trainer.config = OmegaConf.create({"algorithm": algorithm("grpo")})
+    trainer.fit()
+    assert not seen["deferred"]  # only SPO estimators defer
+    assert seen["advantages"][0, 0] > 0  # verl's GRPO: rewards 1, 0
+    with pytest.raises(SPOMetadataMissingError):
+        compute_advantage(legacy_batch([None] * 2, [1.0, 0.0], [2, 2], 2, ["t", "t"]), adv_estimator="spo_tree",
+                          num_repeat=2, config=ALGORITHM)
+    with advantages_at_actor_update():  # rows given: the real step, deferral or not
+        data = legacy_batch(rows, [1.0, 0.0], [2, 2], 2, ["t", "t"])
+        spo_advantage_step(data, ALGORITHM, rollout_n=2)
+    assert data.batch["advantages"].tolist() == [[0.5, 0.5], [-0.5, -0.5]]  # V = 1, 0 under a root of 0.5
 
 
 def test_missing_column_fails_with_the_fix():
@@ -76,27 +115,46 @@ def test_missing_column_fails_with_the_fix():
         non_tensors={"uid": np.array(["u", "u"], dtype=object)},
     )
     with pytest.raises(SPOMetadataMissingError, match="default_agent_loop=spo_tree"):
-        compute_advantage_with_spo_rows(data, "spo_tree", config=ALGORITHM)
+        spo_advantage_step(data, ALGORITHM, rollout_n=2)
 
 
-def test_the_hook_is_what_fit_calls_and_is_undone_afterwards():
-    # RayPPOTrainer.fit looks compute_advantage up in its module's globals at call time.
-    assert RayPPOTrainer.fit.__globals__ is vars(ray_trainer_module)
-    original = ray_trainer_module.compute_advantage
-    with spo_advantage_hook():
-        assert RayPPOTrainer.fit.__globals__["compute_advantage"] is compute_advantage_with_spo_rows
-    assert ray_trainer_module.compute_advantage is original
-
-
-def test_legacy_task_runner_builds_the_spo_trainer(monkeypatch):
+def test_legacy_task_runner_builds_the_spo_trainer_and_leaves_verl_unchanged(monkeypatch):
+    """The runner's run takes verl's steps and builds SPORayPPOTrainer (the datasets, workers and
+    training are stood in for here; the real ones run in the end-to-end legacy cases)."""
     built = {}
 
-    def verl_run(self, config):
-        built["trainer"] = main_ppo_v0.RayPPOTrainer  # what verl's TaskRunner.run instantiates
+    class Recorder(SPORayPPOTrainer):
+        def __init__(self, **kwargs):
+            built.update(kwargs)
 
-    monkeypatch.setattr(main_ppo_v0.TaskRunner.__ray_actor_class__, "run", verl_run)
-    _SPOLegacyTaskRunner.run(object.__new__(_SPOLegacyTaskRunner), OmegaConf.create({}))
-    assert built["trainer"] is SPORayPPOTrainer
+        def init_workers(self):
+            built["init_workers"] = True
+
+        def fit(self):
+            built["fit"] = True
+
+    monkeypatch.setattr("spo_verl.trainer.runners.SPORayPPOTrainer", Recorder)
+    monkeypatch.setattr(main_ppo_v0, "create_rl_dataset", lambda files, *a, is_train, **k: f"{is_train}:{files}")
+    monkeypatch.setattr(main_ppo_v0, "create_rl_sampler", lambda data_config, dataset: f"sampler of {dataset}")
+    monkeypatch.setattr(main_ppo_v0, "validate_config", lambda **kwargs: built.setdefault("validated", True))
+    monkeypatch.setattr("verl.utils.config.omega_conf_to_dataclass",
+                        lambda model: type("Model", (), {"tokenizer": "tok", "processor": None})())
+    runner = object.__new__(_SPOLegacyTaskRunner)
+    runner.role_worker_mapping, runner.mapping = {}, {}
+    for step in ("add_critic_worker", "add_reward_model_resource_pool", "add_teacher_model_resource_pool"):
+        monkeypatch.setattr(runner, step, lambda config, step=step: built.setdefault(step, True), raising=False)
+    monkeypatch.setattr(runner, "add_actor_rollout_worker", lambda config: ("actor", "group"), raising=False)
+    monkeypatch.setattr(runner, "add_ref_policy_worker", lambda config, cls: built.setdefault("ref", cls), raising=False)
+    monkeypatch.setattr(runner, "init_resource_pool_mgr", lambda config: "pools", raising=False)
+    monkeypatch.setattr(main_ppo_v0, "need_reference_policy", lambda config: False)
+    monkeypatch.setattr(main_ppo_v0, "need_critic", lambda config: False)
+    config = OmegaConf.create({"data": {"train_files": "a.parquet", "val_files": "b.parquet"},
+                               "actor_rollout_ref": {"model": {}}})
+    runner.run(config)
+    assert built["train_dataset"] == "True:a.parquet" and built["val_dataset"] == "False:b.parquet"
+    assert built["train_sampler"] == "sampler of True:a.parquet" and built["resource_pool_manager"] == "pools"
+    assert built["ray_worker_group_cls"] == "group" and built["ref"] == "actor" and built["tokenizer"] == "tok"
+    assert built["init_workers"] and built["fit"] and built["validated"]
     assert main_ppo_v0.RayPPOTrainer is RayPPOTrainer
 
 
@@ -128,13 +186,18 @@ def logging_trainer(directory, estimator, loss_mode="spo_prob_mask"):
     return trainer
 
 
-def fit_advantage_call(trainer, data, num_repeat):
-    """The call RayPPOTrainer.fit makes, under the hook SPORayPPOTrainer.fit installs."""
+def actor_update_advantage_step(trainer, data, num_repeat):
+    """What SPORayPPOTrainer._update_actor does before verl's update: fit's own advantage step has run
+    (zeros for SPO, deferred), then the SPO step with the rows and the sample log."""
+    from spo_verl.trainer.legacy import log_legacy_samples
+
     algorithm = trainer.config.algorithm
-    with spo_advantage_hook(trainer):
-        return ray_trainer_module.compute_advantage(
-            data, adv_estimator=algorithm.adv_estimator, gamma=algorithm.gamma, lam=algorithm.lam,
-            num_repeat=num_repeat, norm_adv_by_std_in_grpo=True, config=algorithm)
+    with advantages_at_actor_update():
+        compute_advantage(data, adv_estimator=algorithm.adv_estimator, gamma=algorithm.gamma, lam=algorithm.lam,
+                          num_repeat=num_repeat, norm_adv_by_std_in_grpo=True, config=algorithm)
+    metrics = spo_advantage_step(data, algorithm, num_repeat,
+                                 lambda d, context, mask: log_legacy_samples(trainer, d, context, mask))
+    return data, metrics
 
 
 def test_fit_writes_the_tree_of_a_step_to_the_sample_log(tmp_path):
@@ -149,7 +212,7 @@ def test_fit_writes_the_tree_of_a_step_to_the_sample_log(tmp_path):
     ]
     data = after_old_log_probs(rows, [1.0, 0.0, 0.0, 1.0, 1.0], [4, 5, 5, 4, 5], 5, ["u"] * 5)
     data.batch["response_mask"][2] = 0
-    out = fit_advantage_call(logging_trainer(tmp_path, "spo_tree"), data, num_repeat=5)
+    out, _ = actor_update_advantage_step(logging_trainer(tmp_path, "spo_tree"), data, num_repeat=5)
     assert out.batch["response_mask"].sum(dim=1).tolist() == [4, 3, 0, 3, 0]  # narrowed to the trained segments after logging
     (record,) = read_records(tmp_path / SAMPLES_FILE)
     assert record["step"] == 3 and len(record["responses"]) == 4  # the stand-in is not a leaf of its own
@@ -163,20 +226,13 @@ def test_fit_logs_baseline_samples_without_spo_metrics(tmp_path):
     from spo_verl.trainer.sample_log import SAMPLES_FILE, read_records
 
     data = after_old_log_probs([None] * 4, [1.0, 0.0, 1.0, 0.0], [3, 3, 2, 3], 3, ["g", "g", "h", "h"])
-    out = fit_advantage_call(logging_trainer(tmp_path, "grpo", loss_mode="vanilla"), data, num_repeat=2)
-    assert SPO_METRICS_KEY not in out.meta_info
+    out, metrics = actor_update_advantage_step(logging_trainer(tmp_path, "grpo", loss_mode="vanilla"), data, num_repeat=2)
+    assert list(metrics) == ["spo/generated_tokens"]
     (record,) = read_records(tmp_path / SAMPLES_FILE)
     assert record["algorithm"] == "grpo" and record["prob_mask_applied"] is False
     assert [r["uid"] for r in record["responses"]] == ["g", "h"]  # one per prompt first
     assert [len(r["tokens"]) for r in record["responses"]] == [3, 2]
     assert record["responses"][0]["advantages"] == pytest.approx(out.batch["advantages"][0].tolist(), abs=1e-6)
-
-
-def test_without_a_sample_log_dir_fit_calls_the_plain_hook():
-    trainer = object.__new__(SPORayPPOTrainer)
-    trainer.config = OmegaConf.create({"algorithm": {"adv_estimator": "grpo"}})
-    with spo_advantage_hook(trainer):
-        assert RayPPOTrainer.fit.__globals__["compute_advantage"] is compute_advantage_with_spo_rows
 
 
 @pytest.mark.parametrize("packed", [True, False])

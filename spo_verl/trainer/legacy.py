@@ -1,62 +1,63 @@
 """SPO on verl's legacy trainer (``trainer.use_v1=false``, ``RayPPOTrainer``).
 
 verl's agent-loop worker turns ``extra_fields["spo"]`` into the ``non_tensor_batch`` column ``spo``,
-but ``RayPPOTrainer.fit`` calls the module function ``compute_advantage`` without it. The thinnest
-adapter verl allows: while an SPO trainer's ``fit`` runs, that module function is wrapped so the
-estimator sees the column, and the loss is narrowed to the trained segments through
-``response_mask`` (what the legacy actor update uses as its loss mask); with
-``algorithm.spo.sample_log.dir`` set, a few responses of each step go to ``samples.jsonl`` there
-(``spo_verl.trainer.sample_log``). ``fit`` itself is verl's.
+but ``RayPPOTrainer.fit`` runs its advantage step (the module function ``compute_advantage``) without
+it. ``fit`` stays verl's; two methods of the subclass carry SPO:
+
+* ``fit`` runs inside ``batch_context.advantages_at_actor_update``: verl's advantage step gets zeros
+  from an SPO estimator (nothing reads advantages between that step and the actor update when there is
+  no critic, and SPO has none);
+* ``_update_actor`` computes the advantages with the batch's ``spo`` column (verl's own
+  ``compute_advantage`` with the same arguments ``fit`` uses, the rows in batch order), narrows the
+  loss to the trained segments through ``response_mask`` (what the legacy actor update uses as its
+  loss mask), logs samples (``algorithm.spo.sample_log.dir``) and counts generated tokens. It changes
+  the batch in place, so verl's metrics after the update see the real advantages.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections.abc import Iterator
-from unittest import mock
 
 import torch
-import verl.trainer.ppo.ray_trainer as ray_trainer_module
-from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+from verl.trainer.ppo.ray_trainer import RayPPOTrainer, compute_advantage
 
-from spo_verl.batch_context import SPO_FIELD, provide_spo_rows
+from spo_verl.batch_context import SPO_FIELD, advantages_at_actor_update, provide_spo_rows
 from spo_verl.config import parse_spo_settings
-from spo_verl.trainer.common import SPO_ESTIMATORS, batch_metrics, install_spo_actor_loss, plain_validation
+from spo_verl.trainer.common import (SPO_ESTIMATORS, batch_metrics, install_spo_actor_loss, plain_validation,
+                                     uses_spo_metadata)
 from spo_verl.trainer.packed_worker import enable_packed_training_on, packed_training_settings
 from spo_verl.trainer.sample_log import SampledResponse, log_step, sample_log_settings
 from spo_verl.trainer.token_budget import GeneratedTokenBudget, step_generated_tokens
 from spo_verl.trainer.tree_balance import tree_order
 from spo_verl.trainer.v1 import lift_spo_metrics
 
-_verl_compute_advantage = ray_trainer_module.compute_advantage
-SPO_METRICS_KEY = "spo_metrics"
-GENERATED_TOKENS_KEY = "spo_generated_tokens"
 
-
-def compute_advantage_with_spo_rows(data, adv_estimator, sample_logger=None, **kwargs):
-    """verl's ``compute_advantage`` with the batch's ``spo`` column visible to the SPO estimators.
-    ``sample_logger(data, context, response_mask)``, if given, sees the batch after the advantage step
-    (``context`` None for other estimators), with the response mask before SPO narrows it."""
-    if adv_estimator not in SPO_ESTIMATORS:
-        data = _verl_compute_advantage(data, adv_estimator, **kwargs)
-        data.meta_info[GENERATED_TOKENS_KEY] = step_generated_tokens(float(data.batch["response_mask"].sum()), {})
+def spo_advantage_step(data, algorithm_config, rollout_n: int, sample_logger=None) -> dict[str, float]:
+    """The SPO advantage step on a legacy batch, in place: verl's ``compute_advantage`` with the
+    batch's ``spo`` column visible to the SPO estimators, then ``response_mask`` narrowed to the trained
+    segments. Other estimators' advantages (verl's, from ``fit``) are left as they are.
+    ``sample_logger(data, context, response_mask)``, if given, sees the batch after the advantage
+    step (``context`` None for other estimators), with the response mask before SPO narrows it.
+    Returns the step's ``spo/*`` metrics and its generated tokens (``spo/generated_tokens``)."""
+    response_mask = data.batch["response_mask"]
+    if algorithm_config.adv_estimator not in SPO_ESTIMATORS:
         if sample_logger is not None:
-            sample_logger(data, None, data.batch["response_mask"])
-        return data
+            sample_logger(data, None, response_mask)
+        return {"spo/generated_tokens": step_generated_tokens(float(response_mask.sum()), {})}
     column = data.non_tensor_batch.get(SPO_FIELD)
     rows = list(column) if column is not None else [None] * len(data)
     with provide_spo_rows(rows) as context:
-        data = _verl_compute_advantage(data, adv_estimator, **kwargs)
-    response_mask = data.batch["response_mask"]
+        compute_advantage(
+            data, adv_estimator=algorithm_config.adv_estimator, gamma=algorithm_config.gamma,
+            lam=algorithm_config.lam, num_repeat=rollout_n,
+            norm_adv_by_std_in_grpo=algorithm_config.get("norm_adv_by_std_in_grpo", True), config=algorithm_config,
+        )
     spo_metrics = batch_metrics(context, response_mask)
-    data.meta_info[SPO_METRICS_KEY] = spo_metrics
-    data.meta_info[GENERATED_TOKENS_KEY] = step_generated_tokens(float(response_mask.sum()), spo_metrics)
     if sample_logger is not None:
         sample_logger(data, context, response_mask)
     if context.trained_mask is not None:
         data.batch["response_mask"] = response_mask * context.trained_mask.to(response_mask.dtype)
-    return data
+    return {**spo_metrics, "spo/generated_tokens": step_generated_tokens(float(response_mask.sum()), spo_metrics)}
 
 
 def log_legacy_samples(trainer, data, context, response_mask) -> None:
@@ -91,17 +92,6 @@ def log_legacy_samples(trainer, data, context, response_mask) -> None:
     )
 
 
-@contextlib.contextmanager
-def spo_advantage_hook(trainer=None) -> Iterator[None]:
-    """While ``fit`` runs, verl's ``compute_advantage`` is ``compute_advantage_with_spo_rows`` (with
-    ``trainer``'s sample log when ``algorithm.spo.sample_log.dir`` is set)."""
-    hook = compute_advantage_with_spo_rows
-    if trainer is not None and sample_log_settings(trainer.config.algorithm).dir is not None:
-        hook = functools.partial(compute_advantage_with_spo_rows, sample_logger=functools.partial(log_legacy_samples, trainer))
-    with mock.patch.object(ray_trainer_module, "compute_advantage", hook):
-        yield
-
-
 class SPORayPPOTrainer(RayPPOTrainer):
     def _create_dataloader(self, *args, **kwargs):
         super()._create_dataloader(*args, **kwargs)
@@ -113,7 +103,8 @@ class SPORayPPOTrainer(RayPPOTrainer):
         enable_packed_training_on([self.actor_rollout_wg, getattr(self, "ref_policy_wg", None)], self.config)
 
     def fit(self):
-        with spo_advantage_hook(self):
+        deferred = advantages_at_actor_update() if uses_spo_metadata(self.config) else contextlib.nullcontext()
+        with deferred:
             return super().fit()
 
     def _balance_batch(self, batch, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
@@ -132,11 +123,16 @@ class SPORayPPOTrainer(RayPPOTrainer):
             self.use_prefix_grouper = grouping
 
     def _update_actor(self, batch):
+        logger = None
+        if sample_log_settings(self.config.algorithm).dir is not None:
+            logger = lambda data, context, mask: log_legacy_samples(self, data, context, mask)  # noqa: E731
+        spo_metrics = spo_advantage_step(batch, self.config.algorithm, self.config.actor_rollout_ref.rollout.n, logger)
+        step_tokens = spo_metrics.pop("spo/generated_tokens")
         output = super()._update_actor(batch)
         metrics = output.meta_info["metrics"]
         lift_spo_metrics(metrics)
-        metrics.update(batch.meta_info.pop(SPO_METRICS_KEY, {}))
+        metrics.update(spo_metrics)
         if not hasattr(self, "_token_budget"):
             self._token_budget = GeneratedTokenBudget(parse_spo_settings(self.config.algorithm.get("spo")).generated_token_budget)
-        self._token_budget.record(self, batch.meta_info.pop(GENERATED_TOKENS_KEY), metrics)
+        self._token_budget.record(self, step_tokens, metrics)
         return output

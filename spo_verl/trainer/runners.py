@@ -1,15 +1,16 @@
 """verl TaskRunners that train with SPO; ``run_ppo(config, task_runner_class=...)`` starts them.
 
 Both are verl's own runners. The v1 runner only makes sure the ``spo`` trainer mode is registered in
-the TaskRunner process (verl looks the mode up there); the legacy runner builds ``SPORayPPOTrainer``
-where verl's builds ``RayPPOTrainer``.
+the TaskRunner process (verl looks the mode up there). verl's legacy ``TaskRunner.run`` builds
+``RayPPOTrainer`` by name, with no way to pass another class; the legacy runner's ``run`` takes the
+same steps with verl's own functions (worker roles, config validation, tokenizer, resource pools,
+datasets, sampler) and builds ``SPORayPPOTrainer`` instead.
 """
 
 from __future__ import annotations
 
-from unittest import mock
-
 import ray
+from omegaconf import OmegaConf
 from verl.trainer import main_ppo_v0
 from verl.trainer.main_ppo import TaskRunnerV1
 
@@ -37,8 +38,35 @@ class _SPOLegacyTaskRunner(main_ppo_v0.TaskRunner.__ray_actor_class__):
         return actor_rollout_cls, worker_group_cls
 
     def run(self, config):
-        with mock.patch.object(main_ppo_v0, "RayPPOTrainer", SPORayPPOTrainer):
-            return super().run(config)
+        from pprint import pprint
+
+        from verl.utils.config import omega_conf_to_dataclass
+        from verl.utils.dataset.rl_dataset import collate_fn
+
+        pprint(OmegaConf.to_container(config, resolve=True))  # as verl's run prints it
+        OmegaConf.resolve(config)
+        actor_rollout_cls, worker_group_cls = self.add_actor_rollout_worker(config)
+        self.add_critic_worker(config)
+        self.add_reward_model_resource_pool(config)
+        self.add_teacher_model_resource_pool(config)
+        self.add_ref_policy_worker(config, actor_rollout_cls)
+        main_ppo_v0.validate_config(config=config, use_reference_policy=main_ppo_v0.need_reference_policy(config),
+                                    use_critic=main_ppo_v0.need_critic(config))
+        model_config = omega_conf_to_dataclass(config.actor_rollout_ref.model)
+        tokenizer, processor = model_config.tokenizer, model_config.processor
+        datasets = {
+            split: main_ppo_v0.create_rl_dataset(files, config.data, tokenizer, processor, is_train=split == "train",
+                                                 max_samples=config.data.get(f"{split}_max_samples", -1))
+            for split, files in (("train", config.data.train_files), ("val", config.data.val_files))
+        }
+        trainer = SPORayPPOTrainer(
+            config=config, tokenizer=tokenizer, processor=processor, role_worker_mapping=self.role_worker_mapping,
+            resource_pool_manager=self.init_resource_pool_mgr(config), ray_worker_group_cls=worker_group_cls,
+            train_dataset=datasets["train"], val_dataset=datasets["val"], collate_fn=collate_fn,
+            train_sampler=main_ppo_v0.create_rl_sampler(config.data, datasets["train"]),
+        )
+        trainer.init_workers()
+        trainer.fit()
 
 
 SPOTaskRunnerV1 = ray.remote(num_cpus=1)(_SPOTaskRunnerV1)
