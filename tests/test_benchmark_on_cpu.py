@@ -72,7 +72,7 @@ def test_analytic_counts():
     assert rollout.analytic_tree_tokens((2, 2), (16,), 32) == 2 * 16 + 4 * 16
     assert rollout.analytic_tree_tokens((6, 6, 6), (8, 8), 32) == 6 * 8 + 36 * 8 + 216 * 16
     paper = tokens.paper_counts()
-    assert paper["spo_tree_rows"] == 356_400 and paper["unique"] == 90_150  # TREE_TRAINING_NOTES.md
+    assert paper["spo_tree_rows"] == 356_400 and paper["unique"] == 90_150  # the paper setting: 6-6-6 trees, 30 prompts a step (spo_verl/benchmarks/tokens.py)
 
 
 @in_session_loop

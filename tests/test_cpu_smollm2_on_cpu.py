@@ -16,7 +16,7 @@ import pytest
 from pathlib import Path
 import torch
 
-from spo_verl import cpu_smollm2
+from spo_verl.cpu_settings import smollm2 as cpu_smollm2
 
 
 @pytest.fixture(scope="module")

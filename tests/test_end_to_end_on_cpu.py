@@ -2,7 +2,7 @@
 user starts them (``scripts/run_*.sh``, which run the recipe's entry point ``recipe.spo.main_spo``):
 verl's TaskRunner and Ray worker groups, the FSDP2 engine training on gloo, verl's vLLM server on
 vLLM's CPU backend, verl's GSM8K reward, the SPO advantage step and loss, and verl's actor -> vLLM
-weight sync, on the tiny ``cpu-tiny`` setting (spo_verl/cpu_default.py). The README's command, with
+weight sync, on the tiny ``cpu-tiny`` setting (spo_verl/cpu_settings/tiny.py). The README's command, with
 no settings, trains the CPU default (``cpu-smollm2``: SmolLM2-135M, whose tied head must sync into
 vLLM), and the study command ``scripts/compare.sh --quick`` is stopped after its first checkpoint,
 resumed and run once more, report included.
@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from spo_verl import cpu_default
+from spo_verl.cpu_settings import tiny as cpu_default
 from spo_verl.run_summary import read_steps
 from spo_verl.study import read_metrics
 

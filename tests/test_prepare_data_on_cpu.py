@@ -198,7 +198,7 @@ def test_verl_rl_dataset_reads_the_files(raw_dir, tmp_path, monkeypatch):
     from omegaconf import OmegaConf
     from verl.utils.dataset.rl_dataset import RLHFDataset
 
-    from spo_verl.testing.tiny_vllm import build_tiny_tokenizer
+    from spo_verl.cpu_settings.tiny_model import build_tiny_tokenizer
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
     out = tmp_path / "out"

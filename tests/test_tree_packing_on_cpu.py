@@ -1,4 +1,4 @@
-"""Packed SPO trees (issue #11): one forward per tree is exact against the per-leaf rows.
+"""Packed SPO trees: one forward per tree is exact against the per-leaf rows.
 
 A tiny random Qwen2 (GQA: 4 query heads, 2 KV heads) runs once over the packed tree with the cascade
 attention and once per leaf row (sdpa, the rows' own causal mask). In float64 the per-row response

@@ -330,7 +330,7 @@ def _tree_prompt_lengths(output) -> list[int]:
 
 
 async def run_rollout(report: Report, quick: bool, repeats: int) -> rollout.TreeResult | None:
-    from spo_verl.testing.tiny_vllm import build_tiny_qwen2, build_tiny_tokenizer
+    from spo_verl.cpu_settings.tiny_model import build_tiny_qwen2, build_tiny_tokenizer
 
     with tempfile.TemporaryDirectory() as model_dir:
         build_tiny_qwen2(model_dir, build_tiny_tokenizer(model_dir), seed=0)

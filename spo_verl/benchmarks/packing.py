@@ -237,7 +237,7 @@ def main(argv=None) -> dict:
     start_process_group()  # before verl is imported
     import torch
 
-    from spo_verl.testing.tiny_vllm import build_tiny_qwen2, build_tiny_tokenizer
+    from spo_verl.cpu_settings.tiny_model import build_tiny_qwen2, build_tiny_tokenizer
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as model_dir:

@@ -121,15 +121,10 @@ class CPUPlatform(PlatformBase):
         return False
 
     def rollout_env_vars(self) -> dict[str, str]:
-        # vLLM's CPU backend: detect it, do not pin OpenMP threads, run its sampler eagerly (compiling
-        # it takes ~25 s on two cores), spawn (not fork) its worker processes.
-        return {
-            "VLLM_TARGET_DEVICE": "cpu",
-            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
-            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-            "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
-            "TORCH_COMPILE_DISABLE": os.environ.get("TORCH_COMPILE_DISABLE", "1"),
-        }
+        # vLLM's CPU backend (spo_verl.cpu_platform.environment).
+        from spo_verl.cpu_platform.environment import vllm_cpu_env
+
+        return vllm_cpu_env()
 
     def cudart(self) -> Any:
         return None

@@ -1,6 +1,6 @@
 """The places where verl 0.9.1 (or torch under it) assumes an accelerator, worked around for the
-``spo_cpu`` platform only: the four of VERL_CPU_NOTES.md plus the PPO critic's attention and the
-MASTER_PORT choice of concurrent runs.
+``spo_cpu`` platform only: CUDA-only calls in verl's device helpers, FSDP and vLLM set-up (each below
+says which), the PPO critic's attention and the MASTER_PORT choice of concurrent runs.
 
 Each workaround checks, before patching, that verl's code still has the shape it works around
 (:class:`VerlChanged` otherwise: a new verl must be looked at, not patched blindly), and marks

@@ -1,4 +1,4 @@
-"""One forward per packed tree (or forest) of a Hugging Face causal LM, log-probs back in row layout (issue #11).
+"""One forward per packed tree (or forest) of a Hugging Face causal LM, log-probs back in row layout.
 
 :func:`packed_row_log_probs` runs the decoder once over a :class:`~spo_verl.packing.tree_pack.PackedTree`
 (unique tokens, path position ids, :mod:`~spo_verl.packing.cascade_attention`), so every shared prefix

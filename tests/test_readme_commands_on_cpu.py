@@ -1,0 +1,32 @@
+"""Every command the README shows names something that exists: each ``bash scripts/<name>.sh`` is a
+script of the repository and each ``python -m <module>`` an importable module with a ``__main__``
+(the commands themselves run in tests/test_end_to_end_on_cpu.py: the run script, the study's quick
+mode and --help, the report)."""
+
+import importlib.util
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CODE_BLOCK = re.compile(r"```bash\n(.*?)```", re.S)
+
+
+def readme_commands() -> list[str]:
+    text = (REPO / "README.md").read_text()
+    lines = [line for block in CODE_BLOCK.findall(text) for line in block.splitlines()]
+    return [line.split("#")[0].strip() for line in lines if line.split("#")[0].strip()]
+
+
+def test_every_script_and_module_the_readme_runs_exists():
+    commands = readme_commands()
+    scripts = {m for c in commands for m in re.findall(r"bash (scripts/[\w./-]+\.sh)", c)}
+    modules = {m for c in commands for m in re.findall(r"python -m ([\w.]+)", c)}
+    assert {"scripts/setup_env.sh", "scripts/run_tests.sh", "scripts/run_spo_tree.sh", "scripts/compare.sh"} <= scripts
+    assert "spo_verl.report" in modules
+    missing = sorted(s for s in scripts if not (REPO / s).is_file())
+    assert not missing, f"README runs scripts that do not exist: {missing}"
+    for module in modules:
+        spec = importlib.util.find_spec(module)
+        assert spec is not None, f"README runs python -m {module}, which is not importable"
+        if spec.submodule_search_locations:  # a package: python -m needs its __main__
+            assert importlib.util.find_spec(f"{module}.__main__") is not None, module
