@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-# Key of the SPO metadata in AgentLoopOutput.extra_fields (and so a non_tensor_batch column).
-SPO_FIELD = "spo"
+from spo_verl.metadata import SPORow, from_extra_field
+
 # verl's upsample_batch_to_divisible_size names the synthetic rows it pads a batch with "pad<hex>",
 # builds them all from one template and copies the first sample's extra_fields into them.
 PADDING_UID_PREFIX = "pad"
@@ -44,7 +44,7 @@ class TreeNodes:
 
 @dataclass
 class SPOBatchContext:
-    rows: list[Mapping[str, Any] | None]
+    rows: list[SPORow | None]
     trained_mask: torch.Tensor | None = None  # (B, T) set by the estimator; None means "train every token"
     metrics: dict[str, float] = field(default_factory=dict)
     tree_nodes: TreeNodes | None = None  # set by the spo_tree estimator
@@ -54,9 +54,10 @@ _current: contextvars.ContextVar[SPOBatchContext | None] = contextvars.ContextVa
 
 
 @contextlib.contextmanager
-def provide_spo_rows(rows: Sequence[Mapping[str, Any] | None]) -> Iterator[SPOBatchContext]:
-    """Make ``rows`` (one SPO metadata dict per batch row, None for padding rows) visible to the estimators."""
-    context = SPOBatchContext(rows=list(rows))
+def provide_spo_rows(rows: Sequence[Any]) -> Iterator[SPOBatchContext]:
+    """Make ``rows`` (one SPO metadata per batch row, as the agent loop wrote it or already read; None
+    for rows without any) visible to the estimators, as ``spo_verl.metadata`` rows."""
+    context = SPOBatchContext(rows=[from_extra_field(row) for row in rows])
     token = _current.set(context)
     try:
         yield context

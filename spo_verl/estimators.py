@@ -1,13 +1,12 @@
 """verl adapters: the ``spo_chain`` and ``spo_tree`` advantage estimators.
 
 Both take verl's estimator arguments and read the segment/tree metadata of each row from
-``spo_verl.batch_context``, where the SPO trainer adapters put it; the maths is in
-``spo_verl.algorithms``.
+``spo_verl.batch_context``, where the SPO trainer adapters put it (as ``spo_verl.metadata`` rows); the
+maths is in ``spo_verl.algorithms``.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -17,13 +16,11 @@ from verl.trainer.ppo.core_algos import register_adv_est
 
 from spo_verl.algorithms.batched import chain_token_advantages_batched
 from spo_verl.algorithms.tree_rows import tree_token_advantages
-from spo_verl.batch_context import (SPO_FIELD, SPOBatchContext, TreeNodes, advantages_deferred, current_spo_context,
-                                    is_padding_uid)
+from spo_verl.batch_context import SPOBatchContext, TreeNodes, advantages_deferred, current_spo_context, is_padding_uid
 from spo_verl.config import SPOSettings, parse_spo_settings
+from spo_verl.metadata import SPO_FIELD, ChainRow, SPOMetadataMissingError, TreeLeafRow, from_extra_field
 
-
-class SPOMetadataMissingError(RuntimeError):
-    pass
+__all__ = ["SPOMetadataMissingError", "compute_spo_chain_advantage", "compute_spo_tree_advantage"]
 
 
 def _missing_metadata(estimator: str) -> SPOMetadataMissingError:
@@ -59,7 +56,13 @@ def _rows_for(estimator: str, batch_size: int, index: Any, spo_rows: Sequence | 
         raise ValueError(f"{estimator}: {len(rows)} metadata rows for a batch of {batch_size}")
     padding = _padding_rows(index, batch_size)
     # Skip verl's padding rows and the legacy trainer's stand-in copies of early-stopped leaves.
-    rows = [None if pad or (row is not None and row.get("trains") is False) else row for row, pad in zip(rows, padding)]
+    rows = [None if pad else from_extra_field(row) for row, pad in zip(rows, padding)]
+    rows = [None if row is None or (isinstance(row, TreeLeafRow) and not row.trains) else row for row in rows]
+    expected = TreeLeafRow if estimator == "spo_tree" else ChainRow
+    wrong = next((b for b, row in enumerate(rows) if row is not None and not isinstance(row, expected)), None)
+    if wrong is not None:
+        raise SPOMetadataMissingError(f"{estimator}: row {wrong} carries {type(rows[wrong]).__name__} metadata; "
+                                      f"algorithm.adv_estimator and the agent loop must name the same algorithm")
     if batch_size and all(row is None for row in rows) and not padding.all():
         raise _missing_metadata(estimator)
     return rows, context
@@ -69,23 +72,17 @@ def _settings(config: Any) -> SPOSettings:
     return parse_spo_settings(config.get("spo") if config is not None else None)
 
 
-def _trajectory_rewards(token_level_rewards: torch.Tensor, rows: Sequence[Mapping | None],
+def _trajectory_rewards(token_level_rewards: torch.Tensor, rows: Sequence[TreeLeafRow | ChainRow | None],
                         settings: SPOSettings) -> torch.Tensor:
     """R of each row: its summed token-level reward, or 0 for a response cut by the length limit under
     ``algorithm.spo.truncated_response_score=zero`` (the ``truncated`` flag SPO's agent loops set; a
     row without it counts as finished), the score the Monte Carlo continuations give such a response."""
     rewards = token_level_rewards.sum(dim=-1)
     if settings.truncated_response_score == "zero":
-        truncated = torch.tensor([bool(row is not None and row.get("truncated", False)) for row in rows],
+        truncated = torch.tensor([bool(row is not None and row.truncated) for row in rows],
                                  dtype=torch.bool, device=rewards.device)
         rewards = torch.where(truncated, torch.zeros_like(rewards), rewards)
     return rewards
-
-
-def _field(row: Mapping, key: str, estimator: str) -> Any:
-    if key not in row:
-        raise SPOMetadataMissingError(f"{estimator}: a row's SPO metadata has no '{key}' (got keys {sorted(row)})")
-    return row[key]
 
 
 @register_adv_est("spo_chain")
@@ -110,8 +107,8 @@ def compute_spo_chain_advantage(
     settings = _settings(config)
     starts_of, values_of = [], []
     for b, row in enumerate(rows):
-        row_starts = list(_field(row, "segment_starts", "spo_chain")) if row is not None else []
-        row_values = list(_field(row, "boundary_values", "spo_chain")) if row is not None else []
+        row_starts = list(row.segment_starts) if row is not None else []
+        row_values = list(row.boundary_values) if row is not None else []
         if len(row_values) != len(row_starts):
             raise ValueError(f"spo_chain row {b}: {len(row_starts)} segment starts but {len(row_values)} values")
         starts_of.append(row_starts)
@@ -182,32 +179,18 @@ def _as_list(path: Any) -> list:
     return path if type(path) is list else list(path)
 
 
-def _tree_fields(rows: Sequence[Mapping | None], index: np.ndarray | None) -> tuple[list, list, list]:
+def _tree_fields(rows: Sequence[TreeLeafRow | None], index: np.ndarray | None) -> tuple[list, list, list]:
     """Each row's tree id (its ``tree_id``, else its uid), path (as a list: the row's own list when it
-    is one, not a copy) and segment ends; None for skipped rows. A row with no tree id or a missing
-    field raises, from the first such row (the row by row reading)."""
-    try:
-        uids = index if index is not None else itertools.repeat(None)
-        tree_ids = [None if row is None else row.get("tree_id", uid) for row, uid in zip(rows, uids)]
-        paths = [None if row is None else _as_list(row["path"]) for row in rows]
-        ends = [None if row is None else row["segment_ends"] for row in rows]
-        complete = len(tree_ids) == len(rows) and all(
-            tree_id is not None for row, tree_id in zip(rows, tree_ids) if row is not None)
-    except (KeyError, TypeError, AttributeError):
-        complete = False
-    if complete:
-        return tree_ids, paths, ends
-    # Something to report: the row by row reading, which raises at the first bad row.
+    is one, not a copy) and segment ends; None for skipped rows."""
     tree_ids, paths, ends = [], [], []
     for b, row in enumerate(rows):
         if row is None:
             tree_ids.append(None), paths.append(None), ends.append(None)
             continue
-        tree_ids.append(row.get("tree_id", index[b] if index is not None else None))
-        if tree_ids[-1] is None:
+        tree_id = row.tree_id if row.tree_id is not None else (index[b] if index is not None else None)
+        if tree_id is None:
             raise ValueError(f"spo_tree row {b}: no tree_id in its metadata and no uid to group by")
-        paths.append(list(_field(row, "path", "spo_tree")))
-        ends.append(list(_field(row, "segment_ends", "spo_tree")))
+        tree_ids.append(tree_id), paths.append(_as_list(row.path)), ends.append(row.segment_ends)
     return tree_ids, paths, ends
 
 

@@ -7,6 +7,8 @@ import math
 import numpy as np
 import pytest
 import torch
+
+from spo_verl.metadata import TreeLeafRow
 from omegaconf import OmegaConf
 
 from spo_verl.batch_context import provide_spo_rows
@@ -159,8 +161,10 @@ def test_choose_rows_skips_padding_and_takes_one_row_per_prompt_first():
     lengths = [3, 3, 3, 3, 0, 4, 2]
     assert choose_rows("grpo", uids, lengths, 4) == [0, 5, 6, 1]
     assert choose_rows("grpo", uids, lengths, 2, padding=[True] + [False] * 6) == [1, 5]
-    rows = [{"trains": False}, None, None, None, None, None, None]  # the legacy trainer's stand-in copy
-    assert choose_rows("spo_chain", uids, lengths, 1, rows=rows) == [1]
+    # The legacy trainer's stand-in copy of a leaf, as the agent loop writes it (a dict) and as read.
+    stand_in = {"path": [1], "segment_ends": [3], "trains": False}
+    for row in (stand_in, TreeLeafRow(path=[1], segment_ends=[3], trains=False)):
+        assert choose_rows("grpo", uids, lengths, 1, rows=[row, *[None] * 6]) == [1]
 
 
 def test_an_unwritable_folder_does_not_stop_training(tmp_path, caplog):

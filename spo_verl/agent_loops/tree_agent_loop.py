@@ -22,7 +22,7 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetr
 from verl.utils.profiler import simple_timer
 
 from spo_verl.algorithms.segments import cut_by_length_limit
-from spo_verl.batch_context import SPO_FIELD
+from spo_verl.metadata import SPO_FIELD, TreeLeafRow, to_extra_field
 from spo_verl.config import parse_spo_settings, tree_segment_budgets
 from spo_verl.rollout.server_output import merged_weight_versions
 from spo_verl.rollout.tree import SampledTree, sample_tree
@@ -108,15 +108,15 @@ class SPOTreeAgentLoop(AgentLoopBase):
 
     def _leaf_output(self, tree: SampledTree, leaf: int, metrics: dict, trains: bool) -> AgentLoopOutput:
         token_ids, log_probs = tree.prefix(leaf)
-        spo = {
-            "tree_id": tree.tree_id,  # unique per sampled tree; the estimator checks one tree per uid
-            "path": tree.path(leaf),
-            "segment_ends": tree.segment_ends(leaf),
-            "trains": trains,
+        spo = to_extra_field(TreeLeafRow(
+            tree_id=tree.tree_id,  # unique per sampled tree; the estimator checks one tree per uid
+            path=tree.path(leaf),
+            segment_ends=tree.segment_ends(leaf),
+            trains=trains,
             # The estimator scores a truncated leaf by algorithm.spo.truncated_response_score.
-            "truncated": cut_by_length_limit(token_ids, self.response_length, {self.tokenizer.eos_token_id}),
-            "tree": tree_statistics(tree),
-        }
+            truncated=cut_by_length_limit(token_ids, self.response_length, {self.tokenizer.eos_token_id}),
+            tree=tree_statistics(tree),
+        ))
         return AgentLoopOutput(
             prompt_ids=tree.prompt_ids,
             response_ids=token_ids,

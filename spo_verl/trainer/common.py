@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 
 from spo_verl.batch_context import SPOBatchContext
+from spo_verl.metadata import SPO_ALGORITHMS, SPO_FIELD, ChainRow, TreeLeafRow
 from spo_verl.policy_loss import LOSS_NAME, spo_ppo_loss
 
-SPO_ESTIMATORS = ("spo_chain", "spo_tree")
-SPO_AGENT_LOOPS = ("spo_chain", "spo_tree")
+SPO_ESTIMATORS = SPO_AGENT_LOOPS = SPO_ALGORITHMS
 # Validation scores one answer per session: SPO's trees and Monte Carlo continuations are for training.
 VALIDATION_AGENT_LOOP = "single_turn_agent"
 
@@ -77,7 +77,7 @@ def install_spo_actor_loss(actor_worker_group: Any, config: Any) -> bool:
     return True
 
 
-def spo_rows_from_extra_fields(extra_fields: Sequence[Any], field: str = "spo") -> list[Mapping | None]:
+def spo_rows_from_extra_fields(extra_fields: Sequence[Any], field: str = SPO_FIELD) -> list[Mapping | None]:
     rows = []
     for value in extra_fields:
         value = getattr(value, "data", value)  # TransferQueue hands back NonTensorData
@@ -92,8 +92,8 @@ def batch_metrics(context: SPOBatchContext, response_mask) -> dict[str, float]:
     metrics = dict(context.metrics)
     trees = {}
     for row in context.rows:
-        if row is not None and "tree" in row:
-            trees.setdefault(row.get("tree_id"), row["tree"])
+        if isinstance(row, TreeLeafRow) and row.tree is not None:
+            trees.setdefault(row.tree_id, row.tree)
     if trees:
         stats = list(trees.values())
         metrics["spo/tree/trees"] = float(len(stats))
@@ -107,10 +107,10 @@ def batch_metrics(context: SPOBatchContext, response_mask) -> dict[str, float]:
         metrics["spo/tree/generated_tokens"] = float(generated)
         metrics["spo/tree/independent_sample_tokens"] = float(independent)
         metrics["spo/tree/generated_over_independent"] = generated / max(independent, 1)
-    chains = [row for row in context.rows if row is not None and "chain" in row]
+    chains = [row for row in context.rows if isinstance(row, ChainRow) and row.chain is not None]
     if chains:
-        stats = [row["chain"] for row in chains]
-        values = [v for row in chains for v in row["boundary_values"]]
+        stats = [row.chain for row in chains]
+        values = [v for row in chains for v in row.boundary_values]
         metrics["spo/chain/boundaries_per_response"] = float(np.mean([s["boundaries"] for s in stats]))
         continuations = sum(s["mc_continuations"] for s in stats)
         metrics["spo/chain/mc_continuations"] = float(continuations)

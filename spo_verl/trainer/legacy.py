@@ -21,7 +21,8 @@ import contextlib
 import torch
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer, compute_advantage
 
-from spo_verl.batch_context import SPO_FIELD, advantages_at_actor_update, provide_spo_rows
+from spo_verl.batch_context import advantages_at_actor_update, provide_spo_rows
+from spo_verl.metadata import SPO_FIELD
 from spo_verl.config import parse_spo_settings
 from spo_verl.trainer.common import (SPO_ESTIMATORS, batch_metrics, install_spo_actor_loss, plain_validation,
                                      uses_spo_metadata)

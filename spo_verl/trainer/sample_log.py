@@ -53,6 +53,7 @@ from spo_verl.algorithms.masked_loss import probability_mask
 from spo_verl.algorithms.tree_rows import _build_forest
 from spo_verl.batch_context import TreeNodes, is_padding_uid
 from spo_verl.config import SampleLogSettings, SPOSettings, parse_spo_settings
+from spo_verl.metadata import ChainRow, SPORow, TreeLeafRow, from_extra_field
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class SampledResponse:
 
     batch_index: int  # row index in the step's batch (what SPOBatchContext is indexed by)
     uid: str
-    row: Mapping[str, Any] | None  # the row's SPO metadata (extra_fields["spo"]), None for plain rows
+    row: SPORow | None  # the row's SPO metadata (a dict as the agent loop wrote it is read), None for plain rows
     prompt_ids: list[int]
     response_ids: list[int]
     log_probs: torch.Tensor  # (L,) p_old as log-probabilities (old_log_probs)
@@ -74,6 +75,9 @@ class SampledResponse:
     advantages: torch.Tensor  # (L,)
     trained: torch.Tensor  # (L,) bool: in the loss
     score: float
+
+    def __post_init__(self):
+        self.row = from_extra_field(self.row)
 
 
 def sample_log_settings(algorithm_config: Any) -> SampleLogSettings:
@@ -85,8 +89,8 @@ def _usable(index: int, uids, lengths, rows, padding) -> bool:
         return False
     if padding is not None and padding[index]:
         return False
-    row = rows[index] if rows is not None else None
-    return not (row is not None and row.get("trains") is False)  # the legacy trainer's stand-in copies
+    row = from_extra_field(rows[index]) if rows is not None else None
+    return not (isinstance(row, TreeLeafRow) and not row.trains)  # the legacy trainer's stand-in copies
 
 
 def choose_rows(
@@ -94,7 +98,7 @@ def choose_rows(
     uids: Sequence[Any],
     lengths: Sequence[int],
     count: int,
-    rows: Sequence[Mapping | None] | None = None,
+    rows: Sequence[SPORow | None] | None = None,
     tree_nodes: TreeNodes | None = None,
     padding: Sequence[bool] | None = None,
 ) -> list[int]:
@@ -140,8 +144,8 @@ def _decode(tokenizer: Any, ids: Sequence[int]) -> str:
 
 def _trajectory_reward(response: SampledResponse, settings: SPOSettings) -> float:
     """R as the SPO estimators take it (``algorithm.spo.truncated_response_score``)."""
-    row = response.row or {}
-    if settings.truncated_response_score == "zero" and row.get("truncated", False):
+    row = response.row
+    if settings.truncated_response_score == "zero" and row is not None and row.truncated:
         return 0.0
     return response.score
 
@@ -154,9 +158,9 @@ def chain_segments(response: SampledResponse, settings: SPOSettings) -> list[dic
     """Segments of an SPO-chain response: a head before the first start (advantage 0), then one
     segment per start with ``V`` before it and the next ``V`` (``R`` after the last) after it."""
     length = len(response.response_ids)
-    row = response.row or {}
-    starts = [int(s) for s in row.get("segment_starts", [])]
-    values = [float(v) for v in row.get("boundary_values", [])]
+    row = response.row
+    starts = [int(s) for s in row.segment_starts] if isinstance(row, ChainRow) else []
+    values = [float(v) for v in row.boundary_values] if isinstance(row, ChainRow) else []
     cut = settings.chain.partition == "cutpoint"
     segments = []
     if not starts or starts[0] > 0:
@@ -177,11 +181,11 @@ def chain_segments(response: SampledResponse, settings: SPOSettings) -> list[dic
 def tree_segments(response: SampledResponse, tree_nodes: TreeNodes, row_nodes: Sequence[int],
                   parents: Sequence[int]) -> list[dict]:
     """Segments of an SPO-tree leaf row: one per node of its root-to-leaf path."""
-    row = response.row or {}
-    ends = [int(e) for e in row["segment_ends"]]
+    row = response.row
+    ends = [int(e) for e in row.segment_ends]
     segments = []
     start = 0
-    for node_id, node, end in zip(row["path"], row_nodes, ends):
+    for node_id, node, end in zip(row.path, row_nodes, ends):
         segments.append({
             "start": start, "end": end, "advantage": _round(tree_nodes.advantages[node]),
             "value_before": _round(tree_nodes.values[parents[node]]), "value_after": _round(tree_nodes.values[node]),
@@ -212,11 +216,11 @@ def response_record(response: SampledResponse, segments: list[dict], threshold: 
         "advantages": [_round(a) for a in response.advantages.tolist()],
         "trained": [int(t) for t in response.trained.bool().tolist()],
         "score": _round(response.score),
-        "truncated": (response.row or {}).get("truncated"),
+        "truncated": response.row.truncated if response.row is not None else None,
         "segments": segments,
     }
-    if response.row is not None and "boundary_values" in response.row:
-        record["boundary_values"] = [_round(v) for v in response.row["boundary_values"]]
+    if isinstance(response.row, ChainRow):
+        record["boundary_values"] = [_round(v) for v in response.row.boundary_values]
     return record
 
 
@@ -245,7 +249,8 @@ def tree_record(responses: Sequence[SampledResponse], records: Sequence[dict], t
                 "reward": segment["value_after"] if leaf else None, "response": r if leaf else None,
             }
     ordered = sorted(nodes.values(), key=lambda n: n["depth"])  # stable: first appearance within a depth
-    return {"tree_id": str(first.row["tree_id"]) if first.row and "tree_id" in first.row else first.uid,
+    tree_id = first.row.tree_id if isinstance(first.row, TreeLeafRow) else None
+    return {"tree_id": str(tree_id) if tree_id is not None else first.uid,
             "uid": first.uid, "leaves": len(responses), "nodes": ordered}
 
 
@@ -272,7 +277,7 @@ def step_record(
             raise ValueError(f"sample log: the forest has {len(forest.parents)} nodes, the estimator's values "
                              f"{tree_nodes.values.numel()}")
     for response in responses:
-        if forest is not None and response.row is not None and "path" in response.row:
+        if forest is not None and isinstance(response.row, TreeLeafRow):
             segments = tree_segments(response, tree_nodes, forest.row_nodes[response.batch_index], forest.parents)
         elif estimator == "spo_chain" and response.row is not None:
             segments = chain_segments(response, settings)
@@ -304,7 +309,7 @@ def log_step(
     uids: Sequence[Any],
     lengths: Sequence[int],
     fetch: Callable[[list[int]], list[SampledResponse]],
-    rows: Sequence[Mapping | None] | None = None,
+    rows: Sequence[SPORow | None] | None = None,
     tree_nodes: TreeNodes | None = None,
     padding: Sequence[bool] | None = None,
 ) -> Path | None:

@@ -1,0 +1,93 @@
+"""The SPO metadata of one trajectory: the contract between the agent loops that write it and the
+estimators, trainers, sample log and metrics that read it.
+
+An agent loop returns it in ``AgentLoopOutput.extra_fields[SPO_FIELD]`` as a plain dict
+(``to_extra_field``: verl carries extra fields through Ray, TransferQueue and the legacy trainer's
+``non_tensor_batch`` column ``spo``, which all take dicts); every reader turns it back into one of the
+classes below with ``from_extra_field``, which names the missing setting when a dict is incomplete.
+
+* ``TreeLeafRow`` (``spo_tree``): one leaf of a sampled tree, one training row. ``path`` are the node
+  ids from the root's child to the leaf, ``segment_ends`` the response offset where each path node's
+  segment ends. ``trains`` is False for the legacy trainer's stand-in copy of a leaf that stopped
+  early (its mask is all zero). ``tree`` carries the tree's shape and cost for the ``spo/tree/*``
+  metrics (the same on every leaf of a tree).
+* ``ChainRow`` (``spo_chain``): one response. ``segment_starts`` are the response offsets where the
+  segments begin, ``boundary_values`` the Monte Carlo value of the prefix before each start.
+  ``chain`` carries its Monte Carlo cost for the ``spo/chain/*`` metrics.
+
+``truncated``: the response was cut by the length limit (``algorithm.spo.truncated_response_score``
+says how the estimators score it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import MISSING, asdict, dataclass, fields
+from typing import Any
+
+# Key of the SPO metadata in AgentLoopOutput.extra_fields (and so a non_tensor_batch column).
+SPO_FIELD = "spo"
+# The SPO algorithms: each is the name of an advantage estimator and of the agent loop that samples for it.
+SPO_ALGORITHMS = ("spo_chain", "spo_tree")
+
+
+class SPOMetadataMissingError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class TreeLeafRow:
+    path: list[int]
+    segment_ends: list[int]
+    tree_id: Any = None  # None: the row's uid names its tree
+    trains: bool = True
+    truncated: bool = False
+    tree: Mapping[str, Any] | None = None  # nodes, leaves, early_stops_per_depth, generated_tokens, independent_sample_tokens
+
+
+@dataclass(frozen=True)
+class ChainRow:
+    segment_starts: list[int]
+    boundary_values: list[float]
+    truncated: bool = False
+    chain: Mapping[str, Any] | None = None  # boundaries, mc_continuations, mc_tokens, mc_truncated, cutpoint_requests, ...
+
+
+SPORow = TreeLeafRow | ChainRow
+_KINDS = {"tree_leaf": TreeLeafRow, "chain": ChainRow}
+_KIND_OF = {cls: kind for kind, cls in _KINDS.items()}
+_REQUIRED = {cls: [f.name for f in fields(cls) if f.default is MISSING] for cls in _KINDS.values()}
+
+
+def to_extra_field(row: SPORow) -> dict[str, Any]:
+    return {"kind": _KIND_OF[type(row)], **asdict(row)}
+
+
+def _kind(value: Mapping[str, Any]) -> type:
+    if "kind" in value:
+        if value["kind"] not in _KINDS:
+            raise SPOMetadataMissingError(f"SPO metadata of unknown kind {value['kind']!r} (known: {sorted(_KINDS)})")
+        return _KINDS[value["kind"]]
+    # Written without a kind (by hand, or by an older agent loop): recognised by its fields.
+    if "path" in value or "segment_ends" in value:
+        return TreeLeafRow
+    if "segment_starts" in value or "boundary_values" in value:
+        return ChainRow
+    raise SPOMetadataMissingError(
+        f"a row's SPO metadata has neither a tree leaf's 'path'/'segment_ends' nor a chain's "
+        f"'segment_starts'/'boundary_values' (got keys {sorted(value)})")
+
+
+def from_extra_field(value: Any) -> SPORow | None:
+    """A trajectory's metadata as written by an agent loop (a dict), or None for a row without any."""
+    if value is None or isinstance(value, (TreeLeafRow, ChainRow)):
+        return value
+    if not isinstance(value, Mapping):
+        raise SPOMetadataMissingError(f"a row's SPO metadata is a {type(value).__name__}, not a mapping")
+    cls = _kind(value)
+    for name in _REQUIRED[cls]:
+        if name not in value:
+            raise SPOMetadataMissingError(f"{'spo_tree' if cls is TreeLeafRow else 'spo_chain'}: a row's SPO "
+                                          f"metadata has no '{name}' (got keys {sorted(value)})")
+    known = {f.name for f in fields(cls)}
+    return cls(**{key: item for key, item in value.items() if key in known})
