@@ -258,7 +258,7 @@ def run_one(study: Study, algorithm: str, seed: int) -> bool:
         TOTAL_TRAINING_STEPS=str(study.max_steps), TEST_FREQ=str(study.val_every), SAVE_FREQ=str(study.val_every),
     )
     if study.setting == "cpu-smollm2":  # the study's held-out set: 256 problems (the run scripts use 64 of them)
-        from spo_verl import cpu_smollm2
+        from spo_verl.cpu_settings import smollm2 as cpu_smollm2
 
         cache = os.environ.get("SPO_SMOLLM2_CACHE", str(Path.home() / ".cache" / "spo-verl" / "cpu-smollm2"))
         env.setdefault("VAL_FILES", cpu_smollm2.study_val_files(cache))
