@@ -266,6 +266,8 @@ def run_one(study: Study, algorithm: str, seed: int) -> bool:
         "bash", str(REPO / "scripts" / "spo_launch.sh"),
         f"algorithm.spo.generated_token_budget={remaining}",
         f"algorithm.spo.sample_log.dir={folder.path}",
+        # Every validation's answers (verl writes <step>.jsonl: input, output, score), for the error analysis.
+        f"trainer.validation_data_dir={folder.path / 'validation'}",
         f"data.seed={seed}", f"actor_rollout_ref.rollout.seed={seed}",
         f"trainer.val_before_train={str(resumed_from == 0).lower()}",  # step 0: the base model's accuracy
         # Two checkpoints kept: the latest may belong to a step that was never logged.
