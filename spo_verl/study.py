@@ -308,6 +308,34 @@ def run_one(study: Study, algorithm: str, seed: int) -> bool:
     return True
 
 
+def write_error_table(study: Study, path: Path) -> Path | None:
+    """cpu-smollm2: what the held-out answers got wrong at each run's first and last validation
+    (``spo_verl.cpu_settings.answer_errors``), one CSV row per (algorithm, seed, step), shares of the answers."""
+    if study.setting != "cpu-smollm2":
+        return None
+    import csv
+
+    from spo_verl.cpu_settings.answer_errors import KINDS, count_kinds
+
+    rows = []
+    for algorithm in study.algorithms:
+        for seed in study.seeds:
+            dumps = sorted((study.output_dir / algorithm / f"seed{seed}" / "validation").glob("*.jsonl"),
+                           key=lambda dump: int(dump.stem) if dump.stem.isdigit() else -1)
+            for dump in dumps[:1] + dumps[-1:] if len(dumps) > 1 else dumps:
+                kinds = count_kinds(dump)
+                total = sum(kinds.values()) or 1
+                rows.append([algorithm, seed, dump.stem, total, *(round(kinds[k] / total, 4) for k in KINDS)])
+    if not rows:
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["algorithm", "seed", "step", "answers", *KINDS])
+        writer.writerows(rows)
+    return path
+
+
 def report(study: Study) -> int:
     args = [sys.executable, "-m", "spo_verl.report", "--output", str(study.output_dir / "report"),
             "--title", f"SPO vs GRPO, {study.setting}, {len(study.seeds)} seed(s)"]
@@ -318,7 +346,11 @@ def report(study: Study) -> int:
                 samples = folder / "samples.jsonl"
                 args += ["--run", f"{algorithm}/seed{seed}={folder / 'metrics.jsonl'}"
                          + (f",{samples}" if samples.exists() else "")]
-    return subprocess.run(args, cwd=REPO).returncode
+    status = subprocess.run(args, cwd=REPO).returncode
+    errors = write_error_table(study, study.output_dir / "report" / "errors.csv")
+    if errors is not None:
+        print(f"compare: held-out errors by kind (first and last validation of each run): {errors}", flush=True)
+    return status
 
 
 def _csv(kind, text: str) -> tuple:

@@ -73,3 +73,27 @@ def test_options_and_their_errors(capsys):
         with pytest.raises(SystemExit):
             study.parse_args(argv)
         assert message in capsys.readouterr().err
+
+
+def test_the_error_table_reads_each_runs_first_and_last_validation(tmp_path):
+    import csv
+    import json
+
+    from spo_verl.cpu_settings import smollm2
+
+    prompt = " ".join(turn["content"] for turn in smollm2.messages("What is 12 + 5 - 6?"))
+    answers = {"0": [("12 + 5 = 16. 16 - 6 = 10.\n#### 10", 0.0), ("12 + 5 = 17. 17 - 6 = 11.\n#### 11", 1.0)],
+               "5": [("12 + 5 = 17.\n#### 17", 0.0)],
+               "10": [("12 + 5 = 17. 17 - 6 = 11.\n#### 11", 1.0)] * 3}
+    folder = tmp_path / "grpo" / "seed1" / "validation"
+    folder.mkdir(parents=True)
+    for step, rows in answers.items():
+        (folder / f"{step}.jsonl").write_text("".join(json.dumps({"input": prompt, "output": o, "score": s}) + "\n"
+                                                      for o, s in rows))
+    plan = study.parse_args(["--algorithms", "grpo", "--seeds", "1", "--output-dir", str(tmp_path)])
+    path = study.write_error_table(plan, tmp_path / "report" / "errors.csv")
+    with open(path) as handle:
+        rows = list(csv.DictReader(handle))
+    assert [(r["step"], r["answers"], r["right"], r["step 1: wrong arithmetic"]) for r in rows] == [
+        ("0", "2", "0.5", "0.5"), ("10", "3", "1.0", "0.0")]  # step 5 is neither the first nor the last
+    assert study.write_error_table(study.parse_args(["--quick", "--output-dir", str(tmp_path)]), path) is None
