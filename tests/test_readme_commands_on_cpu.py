@@ -1,4 +1,4 @@
-"""Every command the README shows names something that exists: each ``bash scripts/<name>.sh`` is a
+"""Every command the README and the docs show names something that exists: each ``bash scripts/<name>.sh`` is a
 script of the repository and each ``python -m <module>`` an importable module with a ``__main__``
 (the commands themselves run in tests/test_end_to_end_on_cpu.py: the run script, the study's quick
 mode and --help, the report)."""
@@ -12,7 +12,7 @@ CODE_BLOCK = re.compile(r"```bash\n(.*?)```", re.S)
 
 
 def readme_commands() -> list[str]:
-    text = (REPO / "README.md").read_text()
+    text = "".join(path.read_text() for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))])
     lines = [line for block in CODE_BLOCK.findall(text) for line in block.splitlines()]
     return [line.split("#")[0].strip() for line in lines if line.split("#")[0].strip()]
 
@@ -24,9 +24,18 @@ def test_every_script_and_module_the_readme_runs_exists():
     assert {"scripts/setup_env.sh", "scripts/run_tests.sh", "scripts/run_spo_tree.sh", "scripts/compare.sh"} <= scripts
     assert "spo_verl.report" in modules
     missing = sorted(s for s in scripts if not (REPO / s).is_file())
-    assert not missing, f"README runs scripts that do not exist: {missing}"
+    assert not missing, f"the docs run scripts that do not exist: {missing}"
     for module in modules:
         spec = importlib.util.find_spec(module)
-        assert spec is not None, f"README runs python -m {module}, which is not importable"
+        assert spec is not None, f"the docs run python -m {module}, which is not importable"
         if spec.submodule_search_locations:  # a package: python -m needs its __main__
             assert importlib.util.find_spec(f"{module}.__main__") is not None, module
+
+
+def test_the_docs_link_only_to_files_of_the_repository():
+    link = re.compile(r"\]\(([^)#]+)\)")
+    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for target in link.findall(page.read_text()):
+            if "://" in target:
+                continue
+            assert (page.parent / target).exists(), f"{page.relative_to(REPO)} links to {target}, which does not exist"
