@@ -7,6 +7,8 @@ error that names the key and the allowed values for anything invalid. verl adapt
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
@@ -293,3 +295,18 @@ def leaf_slots(branching: Sequence[int]) -> int:
 if not OmegaConf.has_resolver("spo_leaf_slots"):
     # ``actor_rollout_ref.rollout.n: ${spo_leaf_slots:${algorithm.spo.tree.branching}}`` in the recipe.
     OmegaConf.register_new_resolver("spo_leaf_slots", leaf_slots)
+
+
+def check_tree_fits(branching, segment_budgets, response_length: int, rollout_n: int) -> None:
+    """Config-time checks of the tree shape against verl's rollout settings."""
+    leaves = math.prod(branching)
+    if rollout_n != leaves:
+        raise ValueError(
+            f"actor_rollout_ref.rollout.n must equal the number of leaf slots of algorithm.spo.tree.branching "
+            f"{list(branching)} ({leaves}), got {rollout_n}"
+        )
+    if sum(segment_budgets) >= response_length:
+        raise ValueError(
+            f"algorithm.spo.tree.segment_tokens {list(segment_budgets)} use {sum(segment_budgets)} tokens before the "
+            f"last depth, which leaves nothing of actor_rollout_ref.rollout.response_length={response_length}"
+        )

@@ -23,7 +23,7 @@ from verl.utils.profiler import simple_timer
 
 from spo_verl.algorithms.segments import cut_by_length_limit
 from spo_verl.metadata import SPO_FIELD, TreeLeafRow, to_extra_field
-from spo_verl.config import parse_spo_settings, tree_segment_budgets
+from spo_verl.config import check_tree_fits, parse_spo_settings, tree_segment_budgets
 from spo_verl.rollout.server_output import merged_weight_versions
 from spo_verl.rollout.tree import SampledTree, sample_tree
 
@@ -130,19 +130,4 @@ class SPOTreeAgentLoop(AgentLoopBase):
                 "turn_scores": [],
                 "tool_rewards": [],
             },
-        )
-
-
-def check_tree_fits(branching, segment_budgets, response_length: int, rollout_n: int) -> None:
-    """Config-time checks of the tree shape against verl's rollout settings."""
-    leaves = math.prod(branching)
-    if rollout_n != leaves:
-        raise ValueError(
-            f"actor_rollout_ref.rollout.n must equal the number of leaf slots of algorithm.spo.tree.branching "
-            f"{list(branching)} ({leaves}), got {rollout_n}"
-        )
-    if sum(segment_budgets) >= response_length:
-        raise ValueError(
-            f"algorithm.spo.tree.segment_tokens {list(segment_budgets)} use {sum(segment_budgets)} tokens before the "
-            f"last depth, which leaves nothing of actor_rollout_ref.rollout.response_length={response_length}"
         )

@@ -13,6 +13,8 @@ from spo_verl.metadata import SPO_ALGORITHMS, SPO_FIELD, ChainRow, TreeLeafRow
 from spo_verl.policy_loss import LOSS_NAME, spo_ppo_loss
 
 SPO_ESTIMATORS = SPO_AGENT_LOOPS = SPO_ALGORITHMS
+# The v1 trainer mode that hands SPO metadata to the estimators (spo_verl.trainer.v1 registers it).
+TRAINER_MODE = "spo"
 # Validation scores one answer per session: SPO's trees and Monte Carlo continuations are for training.
 VALIDATION_AGENT_LOOP = "single_turn_agent"
 

@@ -33,6 +33,7 @@ from verl.workers.utils.padding import response_to_nested
 from spo_verl.batch_context import provide_spo_rows
 from spo_verl.config import parse_spo_settings
 from spo_verl.trainer.common import (
+    TRAINER_MODE,
     batch_metrics,
     check_no_per_row_rollout_n,
     install_spo_actor_loss,
@@ -45,7 +46,6 @@ from spo_verl.trainer.sample_log import SampledResponse, log_step, sample_log_se
 from spo_verl.trainer.token_budget import GeneratedTokenBudget, step_generated_tokens
 from spo_verl.trainer.tree_balance import balance_keeping_trees
 
-TRAINER_MODE = "spo"
 # verl's sync replay buffer checks for finished rollouts every 2 s (its built-in default, not a setting),
 # which rounds every step's generation up to the next 2 s: about 1 s a step lost on average, 7 % of a
 # packed CPU step. A check costs one metadata read from TransferQueue.

@@ -7,11 +7,9 @@ from typing import Any
 from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
 
 import spo_verl.register  # noqa: F401  (agent loops registered before they are looked up)
-from spo_verl.agent_loops.tree_agent_loop import check_tree_fits
-from spo_verl.config import parse_spo_settings, tree_segment_budgets
+from spo_verl.config import check_tree_fits, parse_spo_settings, tree_segment_budgets
 from spo_verl.policy_loss import LOSS_NAME
-from spo_verl.trainer.common import SPO_AGENT_LOOPS, SPO_ESTIMATORS
-from spo_verl.trainer.v1 import TRAINER_MODE
+from spo_verl.trainer.common import SPO_AGENT_LOOPS, SPO_ESTIMATORS, TRAINER_MODE
 
 
 def validate_spo_run(config: Any) -> None:
