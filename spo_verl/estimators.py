@@ -72,14 +72,19 @@ def _settings(config: Any) -> SPOSettings:
     return parse_spo_settings(config.get("spo") if config is not None else None)
 
 
+def scores_zero(row: TreeLeafRow | ChainRow | None, settings: SPOSettings) -> bool:
+    """Whether a row's trajectory reward R is 0 whatever the reward function said: a response cut by
+    the length limit under ``algorithm.spo.truncated_response_score=zero`` (the rule the Monte Carlo
+    continuations follow too); a row without the flag counts as finished."""
+    return settings.truncated_response_score == "zero" and row is not None and row.truncated
+
+
 def _trajectory_rewards(token_level_rewards: torch.Tensor, rows: Sequence[TreeLeafRow | ChainRow | None],
                         settings: SPOSettings) -> torch.Tensor:
-    """R of each row: its summed token-level reward, or 0 for a response cut by the length limit under
-    ``algorithm.spo.truncated_response_score=zero`` (the ``truncated`` flag SPO's agent loops set; a
-    row without it counts as finished), the score the Monte Carlo continuations give such a response."""
+    """R of each row: its summed token-level reward, or 0 where ``scores_zero``."""
     rewards = token_level_rewards.sum(dim=-1)
     if settings.truncated_response_score == "zero":
-        truncated = torch.tensor([bool(row is not None and row.truncated) for row in rows],
+        truncated = torch.tensor([scores_zero(row, settings) for row in rows],
                                  dtype=torch.bool, device=rewards.device)
         rewards = torch.where(truncated, torch.zeros_like(rewards), rewards)
     return rewards

@@ -5,10 +5,11 @@
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from pathlib import Path
+
+from spo_verl.metrics_log import read_logged_steps
 
 def _packed_share(data: dict):
     """Tokens the actor update's forwards computed, as a share of the tokens its rows hold."""
@@ -35,13 +36,6 @@ COLUMNS = (
 )
 
 
-def read_steps(path: str | Path) -> list[tuple[int, dict]]:
-    steps = []
-    for line in Path(path).read_text().splitlines():
-        if line.strip():
-            record = json.loads(line)
-            steps.append((int(record["step"]), record["data"]))
-    return steps
 
 
 def _value(data: dict, key):
@@ -78,7 +72,7 @@ def main(argv=None) -> int:
     if len(args) != 1:
         print(__doc__.strip(), file=sys.stderr)
         return 2
-    steps = read_steps(args[0])
+    steps = read_logged_steps(args[0])
     print(f"spo: summary of {len(steps)} step(s) from {args[0]}")
     for line in summary_lines(steps):
         print(f"spo: {line}")

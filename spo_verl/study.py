@@ -39,6 +39,8 @@ from pathlib import Path
 
 import psutil
 
+from spo_verl.metrics_log import read_logged_steps
+
 REPO = Path(__file__).resolve().parents[1]
 ALGORITHMS = ("spo_tree", "spo_chain", "grpo", "grpo_prob_mask")
 SETTINGS = ("cpu-smollm2", "cpu-tiny", "gsm8k-rhomath-1.1b", "math-r1-1.5b")
@@ -100,17 +102,6 @@ def progress_line(run: str, step: int, data: dict, spent: float, budget: int) ->
     return ", ".join(parts)
 
 
-def read_metrics(path: Path) -> list[tuple[int, dict]]:
-    """verl's file logger: one JSON line per step (an unfinished last line is skipped)."""
-    steps = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            steps.append((int(record["step"]), record["data"]))
-    return steps
 
 
 @dataclass
@@ -157,7 +148,7 @@ class RunFolder:
         for attempt in self.attempts:
             for step in [s for s in merged if s > attempt["resumed_from"]]:
                 del merged[step]
-            merged.update(read_metrics(self.path / attempt["metrics"]))
+            merged.update(read_logged_steps(self.path / attempt["metrics"]))
         return dict(sorted(merged.items()))
 
     def spent_until(self, step: int) -> float:
@@ -190,7 +181,7 @@ def _follow(process: subprocess.Popen, metrics: Path, name: str, spent: float, b
     printed = 0
     while True:
         finished = process.poll() is not None
-        steps = read_metrics(metrics)
+        steps = read_logged_steps(metrics)
         for step, data in steps[printed:]:
             spent += data.get(GENERATED, 0.0) if step > 0 else 0.0
             print(progress_line(name, step, data, spent, budget), flush=True)

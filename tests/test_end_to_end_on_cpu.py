@@ -31,8 +31,7 @@ import pytest
 import torch
 
 from spo_verl.cpu_settings import tiny as cpu_default
-from spo_verl.run_summary import read_steps
-from spo_verl.study import read_metrics
+from spo_verl.metrics_log import read_logged_steps
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 900
@@ -93,7 +92,7 @@ class Run:
     seconds: float
 
     def steps(self) -> dict[int, dict]:
-        return dict(read_steps(self.metrics)) if self.metrics.exists() else {}
+        return dict(read_logged_steps(self.metrics)) if self.metrics.exists() else {}
 
     def failure(self) -> str:
         return f"exit {self.returncode}; last lines of {self.log}:\n" + "\n".join(self.log.read_text().splitlines()[-40:])
@@ -182,7 +181,7 @@ def _run_study(work: Path, cache: Path) -> Study:
             process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
             deadline = time.monotonic() + RUN_TIMEOUT_S
             while process.poll() is None and time.monotonic() < deadline:
-                logged = [step for step, _ in read_metrics(folder / "metrics-attempt1.jsonl")] if attempt == 0 else []
+                logged = [step for step, _ in read_logged_steps(folder / "metrics-attempt1.jsonl")] if attempt == 0 else []
                 if attempt == 0 and marker.exists() and marker.read_text().strip() not in ("", "0") and 1 in logged:
                     process.terminate()  # as a scheduler ends a job: SIGTERM, once step 1 is checkpointed and logged
                 time.sleep(1)
@@ -399,7 +398,7 @@ def test_study_resumes_a_killed_run_and_skips_a_finished_one(runs):
     study: Study = runs["study"]
     # Stopped (SIGTERM) once its first checkpoint was written: the run stopped with it.
     assert study.killed.returncode != 0, study.killed.failure()
-    first = read_steps(study.folder / "metrics-attempt1.jsonl")
+    first = read_logged_steps(study.folder / "metrics-attempt1.jsonl")
     assert first and first[0][0] == 0, "the first attempt validated the base model (step 0)"
     # Run again: resumed from that checkpoint with the tokens spent so far off the budget, finished.
     assert study.resumed.returncode == 0, study.resumed.failure()
@@ -413,7 +412,7 @@ def test_study_resumes_a_killed_run_and_skips_a_finished_one(runs):
     attempts = json.loads((study.folder / "attempts.json").read_text())
     assert [a["resumed_from"] for a in attempts] == [0, resumed_from]
     assert all(a["process_group"] > 0 for a in attempts)
-    second = dict(read_steps(study.folder / "metrics-attempt2.jsonl"))
+    second = dict(read_logged_steps(study.folder / "metrics-attempt2.jsonl"))
     assert min(second) == resumed_from + 1, "the resumed attempt starts after its checkpoint"
     # The merged metrics: every step once, the cumulative count recomputed over the attempts.
     steps = study.resumed.steps()

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from spo_verl import study
+from spo_verl.metrics_log import read_logged_steps
 
 
 def write_metrics(path, steps):
@@ -30,7 +31,7 @@ def test_an_attempt_resumed_from_a_checkpoint_replaces_the_steps_after_it(tmp_pa
     assert sorted(steps) == [0, 1, 2, 3, 4]
     assert steps[3][study.GENERATED] == 80.0  # the resumed attempt's step 3
     assert reopened.spent_until(2) == 220.0 and reopened.spent_until(4) == 370.0
-    merged = study.read_metrics(reopened.write_merged())
+    merged = read_logged_steps(reopened.write_merged())
     assert [data["spo/generated_tokens_cumulative"] for step, data in merged if step > 0] == [100, 220, 300, 370]
     assert study.validation_accuracy(dict(merged)[4]) == 0.3
 
@@ -97,3 +98,16 @@ def test_the_error_table_reads_each_runs_first_and_last_validation(tmp_path):
     assert [(r["step"], r["answers"], r["right"], r["step 1: wrong arithmetic"]) for r in rows] == [
         ("0", "2", "0.5", "0.5"), ("10", "3", "1.0", "0.0")]  # step 5 is neither the first nor the last
     assert study.write_error_table(study.parse_args(["--quick", "--output-dir", str(tmp_path)]), path) is None
+
+
+def test_verls_metrics_file_is_read_with_an_unfinished_last_line(tmp_path):
+    from spo_verl.metrics_log import merged_by_step
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0, "data": {"a": 1}}\n{"step": 0, "data": {"b": 2}}\n{"step": 1, "data": {"a": 3}}\n{"step": 2, "da')
+    assert read_logged_steps(path) == [(0, {"a": 1}), (0, {"b": 2}), (1, {"a": 3})]  # a run still writing
+    assert merged_by_step(path) == {0: {"a": 1, "b": 2}, 1: {"a": 3}}
+    assert read_logged_steps(tmp_path / "missing.jsonl") == []
+    path.write_text('{"step": 0, "data": {}}\nnot json\n{"step": 1, "data": {}}\n')
+    with pytest.raises(ValueError, match="line 2 is not a JSON record"):
+        read_logged_steps(path)

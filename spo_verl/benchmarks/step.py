@@ -29,7 +29,7 @@ from pathlib import Path
 
 import psutil
 
-from spo_verl.run_summary import read_steps
+from spo_verl.metrics_log import read_logged_steps
 
 REPO = Path(__file__).resolve().parents[2]
 PER_ROW = "per-row (verl's default)"
@@ -98,7 +98,7 @@ def run_one(algorithm: str, configuration: str, setting: str, steps: int, work: 
     if process.returncode != 0:
         tail = "\n".join((folder / "run.log").read_text().splitlines()[-30:])
         raise RuntimeError(f"{name}: the run exited {process.returncode}:\n{tail}")
-    logged = read_steps(metrics)
+    logged = read_logged_steps(metrics)
     if len(logged) != steps:
         raise RuntimeError(f"{name}: {len(logged)} steps logged, {steps} asked for")
     updating = [(step, data) for step, data in logged if _updated(data)]

@@ -20,10 +20,12 @@ The algorithm is recognised from the metrics themselves (``spo/tree/*``, ``spo/c
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from spo_verl.metrics_log import merged_by_step
+from spo_verl.trainer.sample_log import read_records
 
 REWARD_KEY = "critic/score/mean"
 WALL_TIME_KEY = "timing_s/step"
@@ -77,15 +79,6 @@ def split_seed(label: str) -> tuple[str, int | None]:
     return (match["group"], int(match["seed"])) if match else (label, None)
 
 
-def read_metrics(path: str | Path) -> dict[int, dict]:
-    """verl's file-logger JSONL, merged by step (verl may log one step in several calls, e.g. the
-    validation before training as step 0)."""
-    steps: dict[int, dict] = {}
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            record = json.loads(line)
-            steps.setdefault(int(record["step"]), {}).update(record["data"])
-    return dict(sorted(steps.items()))
 
 
 def accuracy_key(steps: dict[int, dict]) -> str | None:
@@ -147,13 +140,11 @@ def step_rows(steps: dict[int, dict], key: str | None) -> list[StepRow]:
 
 
 def read_samples(path: str | Path | None) -> list[dict]:
-    if path is None:
-        return []
-    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [] if path is None else read_records(path)
 
 
 def load_run(label: str, metrics_path: str | Path, samples_path: str | Path | None = None) -> Run:
-    steps = read_metrics(metrics_path)
+    steps = merged_by_step(metrics_path)
     samples = read_samples(samples_path)
     key = accuracy_key(steps)
     return Run(label=label, metrics_path=Path(metrics_path), samples_path=Path(samples_path) if samples_path else None,

@@ -53,6 +53,7 @@ from spo_verl.algorithms.masked_loss import probability_mask
 from spo_verl.algorithms.tree_rows import _build_forest
 from spo_verl.batch_context import TreeNodes, is_padding_uid
 from spo_verl.config import SampleLogSettings, SPOSettings, parse_spo_settings
+from spo_verl.estimators import scores_zero
 from spo_verl.metadata import ChainRow, SPORow, TreeLeafRow, from_extra_field
 
 logger = logging.getLogger(__name__)
@@ -144,10 +145,7 @@ def _decode(tokenizer: Any, ids: Sequence[int]) -> str:
 
 def _trajectory_reward(response: SampledResponse, settings: SPOSettings) -> float:
     """R as the SPO estimators take it (``algorithm.spo.truncated_response_score``)."""
-    row = response.row
-    if settings.truncated_response_score == "zero" and row is not None and row.truncated:
-        return 0.0
-    return response.score
+    return 0.0 if scores_zero(response.row, settings) else response.score
 
 
 def _any(mask: torch.Tensor, start: int, end: int) -> bool:
