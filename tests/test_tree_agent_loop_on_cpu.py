@@ -1,7 +1,9 @@
 """The spo_tree agent loop against verl's own vLLM server on CPU (verl's LLMServerClient), then through
 verl's advantage step."""
 
+import asyncio
 import math
+import time
 
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ import spo_verl.register  # noqa: F401
 from spo_verl.agent_loops.tree_agent_loop import SPOTreeAgentLoop
 from spo_verl.algorithms import tree_advantages, tree_values
 from spo_verl.batch_context import provide_spo_rows
+from spo_verl.rollout.tree import sample_tree
 from spo_verl.testing.verl_harness import compose_ppo_trainer, make_agent_loop, run_sessions
 
 in_session_loop = pytest.mark.asyncio(loop_scope="session")  # the server's client lives there
@@ -113,6 +116,42 @@ async def test_tree_shape_budgets_prefixes_and_log_probs(config, recording_clien
     # With ~4% EOS per token and 20-token first segments, some of the 12 first segments stop early.
     assert early_stops >= 1
     assert SPOTreeAgentLoop._jobs == {}, "finished trees are released"
+
+
+@in_session_loop
+async def test_a_childs_subtree_starts_when_its_own_segment_ends(llm_client, tiny_model):
+    """verl's real server, with the first root child's reply held back (the only stand-in: a delay):
+    the other children's own children are requested, and answered, before that slow child returns."""
+    tokenizer = tiny_model[1]
+    prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": "Count to five."}],
+                                               add_generation_prompt=True, tokenize=True)
+    prompt_ids = list(getattr(prompt_ids, "input_ids", prompt_ids))
+    events, first_call = [], asyncio.Event()
+
+    async def generate(request_id, *, prompt_ids, sampling_params, **kwargs):
+        depth = 1 if len(prompt_ids) == len(prompt_ids_of_root) else 2
+        slow = depth == 1 and not first_call.is_set()
+        first_call.set()
+        events.append(("request", depth, slow, time.monotonic()))
+        output = await llm_client.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
+        if slow:
+            await asyncio.sleep(5.0)
+        events.append(("reply", depth, slow, time.monotonic()))
+        return output
+
+    prompt_ids_of_root = prompt_ids
+    # min_tokens: no first segment stops early, so every root child has children to request.
+    params = {**SAMPLING, "min_tokens": 8}
+    tree = await sample_tree(generate, "tree-order", prompt_ids, params, branching=[3, 2], segment_budgets=[8],
+                             response_length=24, eos_token_ids={tokenizer.eos_token_id})
+    slow_reply = next(t for kind, depth, slow, t in events if kind == "reply" and slow)
+    grandchildren = [(kind, t) for kind, depth, slow, t in events if depth == 2]
+    assert len([kind for kind, _ in grandchildren if kind == "request"]) == 6  # 3 children x 2
+    early = [kind for kind, t in grandchildren if t < slow_reply]
+    assert early.count("request") == 4 and early.count("reply") == 4, events  # the two fast children's subtrees
+    assert len(tree.leaves()) == 6 and all(len(tree.nodes[n].token_ids) == 8 for n in tree.nodes[0].children)
+    # Children keep their request order (what verl's session slots count), whatever order they finished in.
+    assert tree.nodes[0].children == [1, 2, 3]
 
 
 def reward_of(tokenizer, response_ids):

@@ -3,7 +3,7 @@
 ``generate(request_id, *, prompt_ids, sampling_params) -> TokenOutput`` is verl's server-manager
 call: token ids in, token ids and log-probs out. A child segment continues its parent's prefix by
 token ids (never re-tokenised text); every call of a tree uses the tree's request id so the subtree
-stays on one server and its prefix cache; all nodes of one depth are generated concurrently.
+stays on one server and its prefix cache; each child's subtree starts when that child's segment ends.
 """
 
 from __future__ import annotations
@@ -108,8 +108,9 @@ async def sample_tree(
     """Expand the tree: each live node at depth d gets ``branching[d]`` children of at most
     ``segment_budgets[d]`` tokens; the last depth runs to EOS or the response-length limit.
 
-    A node's children are requested together as soon as the node's own segment is done, so a slow
-    sibling never holds up the rest of the tree (all nodes of a depth still run concurrently).
+    One task per child: a child's own children are requested as soon as its segment is done, so a
+    slow sibling holds up nobody's subtree but its own. Node ids are given when a node is requested
+    (a parent's children in request order, which is the order verl's session slots count them in).
     """
     if len(segment_budgets) != len(branching) - 1:
         raise ValueError(f"need {len(branching) - 1} segment budgets for branching {list(branching)}, got {list(segment_budgets)}")
@@ -117,30 +118,29 @@ async def sample_tree(
         prompt_ids=list(prompt_ids), branching=tuple(branching), nodes=[TreeNode(ROOT, -1, 0)], tree_id=request_id
     )
 
+    async def grow(node: TreeNode, prefix: list[int], params: dict, is_last: bool) -> None:
+        output = await generate(request_id, prompt_ids=tree.prompt_ids + prefix, sampling_params=params)
+        check_not_aborted(output, "tree segment")
+        node.token_ids = list(output.token_ids)
+        node.log_probs = list(output.log_probs) if output.log_probs is not None else [0.0] * len(node.token_ids)
+        node.server_fields = dict(getattr(output, "extra_fields", None) or {})
+        node.stopped = (is_last or len(prefix) + len(node.token_ids) >= response_length
+                        or _is_stop(node.token_ids, params["max_tokens"], eos_token_ids))
+        if not node.stopped:
+            await expand(node.node_id, prefix + node.token_ids)
+
     async def expand(parent: int, prefix: list[int]) -> None:
         depth = tree.nodes[parent].depth
         is_last = depth == len(branching) - 1
         remaining = response_length - len(prefix)
-        max_tokens = remaining if is_last else min(segment_budgets[depth], remaining)
-        params = {**sampling_params, "max_tokens": max_tokens}
-        outputs = await asyncio.gather(
-            *(generate(request_id, prompt_ids=tree.prompt_ids + prefix, sampling_params=params) for _ in range(branching[depth]))
-        )
-        live = []
-        for output in outputs:
-            check_not_aborted(output, "tree segment")
-            token_ids = list(output.token_ids)
-            log_probs = list(output.log_probs) if output.log_probs is not None else [0.0] * len(token_ids)
-            node = TreeNode(len(tree.nodes), parent, depth + 1, token_ids, log_probs,
-                            server_fields=dict(getattr(output, "extra_fields", None) or {}))
-            node.stopped = (
-                is_last or len(prefix) + len(token_ids) >= response_length or _is_stop(token_ids, max_tokens, eos_token_ids)
-            )
-            tree.nodes.append(node)
-            tree.nodes[parent].children.append(node.node_id)
-            if not node.stopped:
-                live.append((node.node_id, prefix + token_ids))
-        await asyncio.gather(*(expand(child, child_prefix) for child, child_prefix in live))
+        params = {**sampling_params, "max_tokens": remaining if is_last else min(segment_budgets[depth], remaining)}
+        children = []
+        for _ in range(branching[depth]):
+            child = TreeNode(len(tree.nodes), parent, depth + 1)
+            tree.nodes.append(child)
+            tree.nodes[parent].children.append(child.node_id)
+            children.append(child)
+        await asyncio.gather(*(grow(child, prefix, params, is_last) for child in children))
 
     await expand(ROOT, [])
     return tree
