@@ -1,0 +1,156 @@
+"""The study's final table with both sources of uncertainty: the seeds (runs differ in their data
+order and their samples) and the held-out problems (a finite set, the same for every run).
+
+    python -m spo_verl.study_table --output-dir outputs/study [--reference grpo]
+
+Reads each run's validation dumps (``<algorithm>/seed<k>/validation/<step>.jsonl``: one line per
+held-out answer with its ``input`` and ``score``; the study keeps them) and prints, per algorithm:
+the base model's accuracy (the validation before training), the final accuracy (the last validation)
+as a mean over seeds, and the gain over the base model with
+
+* ``se seeds``: the standard error of the per-seed gains (sample std / sqrt(seeds));
+* ``se problems``: the paired standard error over problems of the per-problem gain averaged over
+  seeds (each problem's answer after training against its base answer, so the problems' difficulty
+  cancels);
+* ``se``: both combined, sqrt(se_seeds^2 + se_problems^2), the figure the gain is compared with.
+
+Then each algorithm against ``--reference`` (final accuracy minus the reference's, the same
+standard errors, problems paired across the two). The last line of stdout is the JSON of it all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+def read_dump(path: Path) -> dict[str, float]:
+    """Score of each held-out problem (keyed by its prompt) in one validation dump."""
+    scores = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            record = json.loads(line)
+            scores[record["input"]] = float(record["score"])
+    return scores
+
+
+def first_and_last(run: Path) -> tuple[dict[str, float], dict[str, float], int] | None:
+    dumps = sorted((run / "validation").glob("*.jsonl"), key=lambda p: int(p.stem) if p.stem.isdigit() else -1)
+    if len(dumps) < 2 or dumps[0].stem != "0":
+        return None
+    return read_dump(dumps[0]), read_dump(dumps[-1]), int(dumps[-1].stem)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _se(values: list[float]) -> float | None:
+    if len(values) < 2:
+        return None
+    mean = _mean(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values))
+
+
+@dataclass
+class Row:
+    name: str
+    seeds: int
+    problems: int
+    base: float
+    final_mean: float
+    final_se_seeds: float | None
+    gain: float
+    gain_se_seeds: float | None
+    gain_se_problems: float
+    gain_se: float
+    final_steps: list[int]
+
+
+def _combined(se_seeds: float | None, se_problems: float) -> float:
+    return math.sqrt((se_seeds or 0.0) ** 2 + se_problems ** 2)
+
+
+def _paired(per_problem: list[float]) -> float:
+    return _se(per_problem) or 0.0
+
+
+def summarize(runs: dict[str, list[Path]]) -> dict[str, Row]:
+    """``runs``: algorithm -> its seeds' run folders. Runs without a base and a final dump are left out."""
+    rows = {}
+    for name, folders in runs.items():
+        read = [r for r in (first_and_last(folder) for folder in folders) if r is not None]
+        if not read:
+            continue
+        problems = sorted(set.intersection(*(set(base) & set(final) for base, final, _ in read)))
+        base = {p: _mean([b[p] for b, _, _ in read]) for p in problems}  # greedy: the same in every run
+        finals = [_mean([f[p] for p in problems]) for _, f, _ in read]
+        gains = [final - _mean(list(base.values())) for final in finals]
+        per_problem_gain = [_mean([f[p] for _, f, _ in read]) - base[p] for p in problems]
+        se_problems = _paired(per_problem_gain)
+        rows[name] = Row(name, len(read), len(problems), _mean(list(base.values())), _mean(finals), _se(finals),
+                         _mean(gains), _se(gains), se_problems, _combined(_se(gains), se_problems),
+                         [step for _, _, step in read])
+    return rows
+
+
+def difference(runs: dict[str, list[Path]], name: str, reference: str) -> dict | None:
+    """Final accuracy of ``name`` minus ``reference``'s, seeds unpaired, problems paired."""
+    ours = [r for r in (first_and_last(f) for f in runs.get(name, [])) if r is not None]
+    theirs = [r for r in (first_and_last(f) for f in runs.get(reference, [])) if r is not None]
+    if not ours or not theirs:
+        return None
+    problems = sorted(set.intersection(*(set(f) for _, f, _ in ours + theirs)))
+    ours_final = [_mean([f[p] for p in problems]) for _, f, _ in ours]
+    theirs_final = [_mean([f[p] for p in problems]) for _, f, _ in theirs]
+    se_seeds = None
+    if len(ours) > 1 and len(theirs) > 1:
+        se_seeds = math.sqrt(_se(ours_final) ** 2 + _se(theirs_final) ** 2)
+    per_problem = [_mean([f[p] for _, f, _ in ours]) - _mean([f[p] for _, f, _ in theirs]) for p in problems]
+    se_problems = _paired(per_problem)
+    return {"algorithm": name, "reference": reference, "difference": _mean(ours_final) - _mean(theirs_final),
+            "se_seeds": se_seeds, "se_problems": se_problems, "se": _combined(se_seeds, se_problems)}
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def study_runs(output_dir: Path) -> dict[str, list[Path]]:
+    runs: dict[str, list[Path]] = {}
+    for folder in sorted(output_dir.glob("*/seed*")):
+        if (folder / "validation").is_dir():
+            runs.setdefault(folder.parent.name, []).append(folder)
+    return runs
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m spo_verl.study_table", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output-dir", type=Path, required=True, help="the study's folder (bash scripts/compare.sh --output-dir)")
+    parser.add_argument("--reference", default="grpo", help="the algorithm the others are compared with (default grpo)")
+    args = parser.parse_args(argv)
+    runs = study_runs(args.output_dir)
+    rows = summarize(runs)
+    print("| algorithm | seeds | problems | base | final (mean +- se seeds) | gain | se seeds | se problems | se | gain / se |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows.values():
+        print(f"| {row.name} | {row.seeds} | {row.problems} | {row.base:.3f} | {row.final_mean:.3f} +- "
+              f"{_fmt(row.final_se_seeds)} | {row.gain:+.3f} | {_fmt(row.gain_se_seeds)} | {row.gain_se_problems:.3f} | "
+              f"{row.gain_se:.3f} | {row.gain / row.gain_se if row.gain_se else float('nan'):+.1f} |")
+    differences = [d for name in rows if name != args.reference
+                   if (d := difference(runs, name, args.reference)) is not None]
+    if differences:
+        print()
+        print(f"| algorithm minus {args.reference} (final) | difference | se seeds | se problems | se |")
+        print("|---|---|---|---|---|")
+        for d in differences:
+            print(f"| {d['algorithm']} | {d['difference']:+.3f} | {_fmt(d['se_seeds'])} | {d['se_problems']:.3f} | {d['se']:.3f} |")
+    print(json.dumps({"rows": {name: asdict(row) for name, row in rows.items()}, "differences": differences}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,46 @@
+"""The study's final table: gains over the base model with their standard errors over seeds and over
+problems, on validation dumps written here in verl's format."""
+
+import json
+import math
+
+import pytest
+
+from spo_verl import study_table
+
+
+def write_run(folder, base, final, final_step=10):
+    (folder / "validation").mkdir(parents=True)
+    for step, scores in ((0, base), (final_step, final)):
+        (folder / "validation" / f"{step}.jsonl").write_text(
+            "".join(json.dumps({"input": f"problem {i}", "output": "", "score": s}) + "\n" for i, s in enumerate(scores)))
+
+
+def test_gains_and_their_standard_errors(tmp_path, capsys):
+    base = [1, 0, 0, 0]
+    finals = {"spo_tree": [[1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 0]], "grpo": [[0, 0, 0, 0], [1, 0, 0, 0], [1, 0, 0, 0]]}
+    for name, runs in finals.items():
+        for seed, final in enumerate(runs):
+            write_run(tmp_path / name / f"seed{seed}", base, final)
+    rows = study_table.summarize(study_table.study_runs(tmp_path))
+    tree = rows["spo_tree"]
+    assert (tree.seeds, tree.problems, tree.base) == (3, 4, 0.25)
+    assert tree.final_mean == pytest.approx(0.5) and tree.gain == pytest.approx(0.25)
+    # Per-seed gains 0.25, 0.5, 0: sample std 0.25, over sqrt(3).
+    assert tree.gain_se_seeds == pytest.approx(0.25 / math.sqrt(3))
+    # Per-problem gains averaged over seeds: 0, 2/3, 1/3, 0.
+    gains = [0, 2 / 3, 1 / 3, 0]
+    mean = sum(gains) / 4
+    assert tree.gain_se_problems == pytest.approx(math.sqrt(sum((g - mean) ** 2 for g in gains) / 3 / 4))
+    assert tree.gain_se == pytest.approx(math.hypot(tree.gain_se_seeds, tree.gain_se_problems))
+    difference = study_table.difference(study_table.study_runs(tmp_path), "spo_tree", "grpo")
+    assert difference["difference"] == pytest.approx(0.5 - 1 / 6)
+    assert study_table.main(["--output-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| spo_tree | 3 | 4 | 0.250 | 0.500 +- 0.144 | +0.250 |" in out and "| spo_tree | +0.333 |" in out
+
+
+def test_a_run_without_its_base_validation_is_left_out(tmp_path):
+    write_run(tmp_path / "grpo" / "seed0", [1, 0], [1, 1])
+    (tmp_path / "grpo" / "seed0" / "validation" / "0.jsonl").rename(tmp_path / "grpo" / "seed0" / "validation" / "5.jsonl")
+    assert study_table.summarize(study_table.study_runs(tmp_path)) == {}
