@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from spo_verl.config import SPOSettings
 from spo_verl.metadata import SPORow, from_extra_field
 
 # verl's upsample_batch_to_divisible_size names the synthetic rows it pads a batch with "pad<hex>",
@@ -48,16 +49,17 @@ class SPOBatchContext:
     trained_mask: torch.Tensor | None = None  # (B, T) set by the estimator; None means "train every token"
     metrics: dict[str, float] = field(default_factory=dict)
     tree_nodes: TreeNodes | None = None  # set by the spo_tree estimator
+    settings: SPOSettings | None = None  # the trainer's algorithm.spo, parsed once; None: the estimator parses its config
 
 
 _current: contextvars.ContextVar[SPOBatchContext | None] = contextvars.ContextVar("spo_batch_context", default=None)
 
 
 @contextlib.contextmanager
-def provide_spo_rows(rows: Sequence[Any]) -> Iterator[SPOBatchContext]:
+def provide_spo_rows(rows: Sequence[Any], settings: SPOSettings | None = None) -> Iterator[SPOBatchContext]:
     """Make ``rows`` (one SPO metadata per batch row, as the agent loop wrote it or already read; None
     for rows without any) visible to the estimators, as ``spo_verl.metadata`` rows."""
-    context = SPOBatchContext(rows=[from_extra_field(row) for row in rows])
+    context = SPOBatchContext(rows=[from_extra_field(row) for row in rows], settings=settings)
     token = _current.set(context)
     try:
         yield context

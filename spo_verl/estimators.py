@@ -68,7 +68,10 @@ def _rows_for(estimator: str, batch_size: int, index: Any, spo_rows: Sequence | 
     return rows, context
 
 
-def _settings(config: Any) -> SPOSettings:
+def _settings(config: Any, context: SPOBatchContext | None) -> SPOSettings:
+    """The trainer's settings when it handed them over (parsed once per trainer), else ``config``'s."""
+    if context is not None and context.settings is not None:
+        return context.settings
     return parse_spo_settings(config.get("spo") if config is not None else None)
 
 
@@ -108,8 +111,8 @@ def compute_spo_chain_advantage(
     if (placeholder := _deferred_placeholder(token_level_rewards, spo_rows)) is not None:
         return placeholder
     batch_size, length = response_mask.shape
-    rows, _ = _rows_for("spo_chain", batch_size, index, spo_rows)
-    settings = _settings(config)
+    rows, context = _rows_for("spo_chain", batch_size, index, spo_rows)
+    settings = _settings(config, context)
     starts_of, values_of = [], []
     for b, row in enumerate(rows):
         row_starts = list(row.segment_starts) if row is not None else []
@@ -220,7 +223,7 @@ def compute_spo_tree_advantage(
         return placeholder
     batch_size, _ = response_mask.shape
     rows, context = _rows_for("spo_tree", batch_size, index, spo_rows)
-    settings = _settings(config)
+    settings = _settings(config, context)
     tree_ids, paths, ends = _tree_fields(rows, index)
     _check_one_tree_per_uid(index, tree_ids)
     result = tree_token_advantages(

@@ -257,3 +257,13 @@ def test_packed_training_keeps_each_uid_on_one_rank(packed):
     assert (kept_together and contiguous) == packed, ranks
     assert not getattr(trainer, "use_prefix_grouper", False)  # set for the call only
     assert "global_seqlen/mean" in metrics
+
+
+def test_the_trainer_parses_its_spo_settings_once(monkeypatch):
+    from spo_verl.trainer import common
+
+    calls = []
+    monkeypatch.setattr(common, "parse_spo_settings", lambda raw: calls.append(raw) or object())
+    trainer = object.__new__(SPORayPPOTrainer)
+    trainer.config = OmegaConf.create({"algorithm": ALGORITHM})
+    assert common.spo_settings_of(trainer) is common.spo_settings_of(trainer) and len(calls) == 1

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from spo_verl.batch_context import SPOBatchContext
+from spo_verl.config import SPOSettings, parse_spo_settings
 from spo_verl.metadata import SPO_ALGORITHMS, SPO_FIELD, ChainRow, TreeLeafRow
 from spo_verl.policy_loss import LOSS_NAME, spo_ppo_loss
 
@@ -48,6 +49,14 @@ def plain_validation(trainer: Any) -> None:
     """Make ``trainer.val_dataloader`` sample plain responses when the rollout uses an SPO loop."""
     if trainer.config.actor_rollout_ref.rollout.agent.default_agent_loop in SPO_AGENT_LOOPS:
         trainer.val_dataloader = PlainValidationBatches(trainer.val_dataloader)
+
+
+def spo_settings_of(trainer: Any) -> SPOSettings:
+    """The trainer's ``algorithm.spo``, parsed once (validated before Ray started; fixed for the run)."""
+    settings = getattr(trainer, "_spo_settings", None)
+    if settings is None:
+        settings = trainer._spo_settings = parse_spo_settings(trainer.config.algorithm.get("spo"))
+    return settings
 
 
 def uses_spo_metadata(config: Any) -> bool:

@@ -23,17 +23,16 @@ from verl.trainer.ppo.ray_trainer import RayPPOTrainer, compute_advantage
 
 from spo_verl.batch_context import advantages_at_actor_update, provide_spo_rows
 from spo_verl.metadata import SPO_FIELD
-from spo_verl.config import parse_spo_settings
 from spo_verl.trainer.common import (SPO_ESTIMATORS, batch_metrics, install_spo_actor_loss, plain_validation,
-                                     uses_spo_metadata)
+                                     spo_settings_of, uses_spo_metadata)
 from spo_verl.trainer.packed_worker import enable_packed_training_on, packed_training_settings
-from spo_verl.trainer.sample_log import SampledResponse, log_step, sample_log_settings
+from spo_verl.trainer.sample_log import SampledResponse, log_step
 from spo_verl.trainer.token_budget import GeneratedTokenBudget, step_generated_tokens
 from spo_verl.trainer.tree_balance import tree_order
 from spo_verl.trainer.v1 import lift_spo_metrics
 
 
-def spo_advantage_step(data, algorithm_config, rollout_n: int, sample_logger=None) -> dict[str, float]:
+def spo_advantage_step(data, algorithm_config, rollout_n: int, sample_logger=None, settings=None) -> dict[str, float]:
     """The SPO advantage step on a legacy batch, in place: verl's ``compute_advantage`` with the
     batch's ``spo`` column visible to the SPO estimators, then ``response_mask`` narrowed to the trained
     segments. Other estimators' advantages (verl's, from ``fit``) are left as they are.
@@ -47,7 +46,7 @@ def spo_advantage_step(data, algorithm_config, rollout_n: int, sample_logger=Non
         return {"spo/generated_tokens": step_generated_tokens(float(response_mask.sum()), {})}
     column = data.non_tensor_batch.get(SPO_FIELD)
     rows = list(column) if column is not None else [None] * len(data)
-    with provide_spo_rows(rows) as context:
+    with provide_spo_rows(rows, settings) as context:
         compute_advantage(
             data, adv_estimator=algorithm_config.adv_estimator, gamma=algorithm_config.gamma,
             lam=algorithm_config.lam, num_repeat=rollout_n,
@@ -89,7 +88,7 @@ def log_legacy_samples(trainer, data, context, response_mask) -> None:
     log_step(
         trainer.global_steps, trainer.config, trainer.tokenizer, uids, lengths, fetch,
         rows=context.rows if context is not None else None,
-        tree_nodes=context.tree_nodes if context is not None else None,
+        tree_nodes=context.tree_nodes if context is not None else None, settings=spo_settings_of(trainer),
     )
 
 
@@ -125,15 +124,17 @@ class SPORayPPOTrainer(RayPPOTrainer):
 
     def _update_actor(self, batch):
         logger = None
-        if sample_log_settings(self.config.algorithm).dir is not None:
+        settings = spo_settings_of(self)
+        if settings.sample_log.dir is not None:
             logger = lambda data, context, mask: log_legacy_samples(self, data, context, mask)  # noqa: E731
-        spo_metrics = spo_advantage_step(batch, self.config.algorithm, self.config.actor_rollout_ref.rollout.n, logger)
+        spo_metrics = spo_advantage_step(batch, self.config.algorithm, self.config.actor_rollout_ref.rollout.n, logger,
+                                         settings)
         step_tokens = spo_metrics.pop("spo/generated_tokens")
         output = super()._update_actor(batch)
         metrics = output.meta_info["metrics"]
         lift_spo_metrics(metrics)
         metrics.update(spo_metrics)
         if not hasattr(self, "_token_budget"):
-            self._token_budget = GeneratedTokenBudget(parse_spo_settings(self.config.algorithm.get("spo")).generated_token_budget)
+            self._token_budget = GeneratedTokenBudget(settings.generated_token_budget)
         self._token_budget.record(self, step_tokens, metrics)
         return output

@@ -52,7 +52,7 @@ import torch
 from spo_verl.algorithms.masked_loss import probability_mask
 from spo_verl.algorithms.tree_rows import _build_forest
 from spo_verl.batch_context import TreeNodes, is_padding_uid
-from spo_verl.config import SampleLogSettings, SPOSettings, parse_spo_settings
+from spo_verl.config import SPOSettings, parse_spo_settings
 from spo_verl.estimators import scores_zero
 from spo_verl.metadata import ChainRow, SPORow, TreeLeafRow, from_extra_field
 
@@ -79,10 +79,6 @@ class SampledResponse:
 
     def __post_init__(self):
         self.row = from_extra_field(self.row)
-
-
-def sample_log_settings(algorithm_config: Any) -> SampleLogSettings:
-    return parse_spo_settings(algorithm_config.get("spo") if algorithm_config is not None else None).sample_log
 
 
 def _usable(index: int, uids, lengths, rows, padding) -> bool:
@@ -259,10 +255,12 @@ def step_record(
     responses: Sequence[SampledResponse],
     tokenizer: Any,
     tree_nodes: TreeNodes | None = None,
+    settings: SPOSettings | None = None,
 ) -> dict:
-    """One line of ``samples.jsonl`` for the chosen responses of a step (see the module docstring)."""
+    """One line of ``samples.jsonl`` for the chosen responses of a step (see the module docstring);
+    ``settings``: the trainer's ``algorithm.spo`` (else parsed from ``algorithm_config``)."""
     estimator = algorithm_config.get("adv_estimator")
-    settings = parse_spo_settings(algorithm_config.get("spo"))
+    settings = settings or parse_spo_settings(algorithm_config.get("spo"))
     threshold = settings.prob_mask.threshold
     record: dict[str, Any] = {
         "step": int(step), "algorithm": estimator, "loss_mode": loss_mode, "prob_mask_threshold": threshold,
@@ -310,10 +308,12 @@ def log_step(
     rows: Sequence[SPORow | None] | None = None,
     tree_nodes: TreeNodes | None = None,
     padding: Sequence[bool] | None = None,
+    settings: SPOSettings | None = None,
 ) -> Path | None:
     """Choose the rows of a step, fetch them (``fetch(batch indices)``), write one line. Returns the
     file written, or None when the sample log is off or no row qualifies."""
-    settings = sample_log_settings(config.algorithm)
+    spo_settings = settings or parse_spo_settings(config.algorithm.get("spo"))
+    settings = spo_settings.sample_log
     if settings.dir is None:
         return None
     estimator = config.algorithm.get("adv_estimator")
@@ -322,7 +322,8 @@ def log_step(
     if not chosen:
         return None
     loss_mode = config.get("actor_rollout_ref", {}).get("actor", {}).get("policy_loss", {}).get("loss_mode", "vanilla")
-    record = step_record(step, config.algorithm, loss_mode, fetch(chosen), tokenizer, tree_nodes=tree_nodes)
+    record = step_record(step, config.algorithm, loss_mode, fetch(chosen), tokenizer, tree_nodes=tree_nodes,
+                         settings=spo_settings)
     try:
         return append_record(settings.dir, record)
     except OSError as error:  # a full disk or an unwritable folder does not stop training; a bug above does

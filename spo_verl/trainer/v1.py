@@ -31,7 +31,6 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.workers.utils.padding import response_to_nested
 
 from spo_verl.batch_context import provide_spo_rows
-from spo_verl.config import parse_spo_settings
 from spo_verl.trainer.common import (
     TRAINER_MODE,
     batch_metrics,
@@ -39,10 +38,11 @@ from spo_verl.trainer.common import (
     install_spo_actor_loss,
     plain_validation,
     spo_rows_from_extra_fields,
+    spo_settings_of,
     uses_spo_metadata,
 )
 from spo_verl.trainer.packed_worker import enable_packed_training_on, packed_training_settings, use_packed_worker
-from spo_verl.trainer.sample_log import SampledResponse, log_step, sample_log_settings
+from spo_verl.trainer.sample_log import SampledResponse, log_step
 from spo_verl.trainer.token_budget import GeneratedTokenBudget, step_generated_tokens
 from spo_verl.trainer.tree_balance import balance_keeping_trees
 
@@ -101,7 +101,7 @@ class SPOTrainer(PPOTrainerSync):
             keys=batch.keys, partition_id=batch.partition_id, select_fields=["extra_fields", "response_mask", "uid"]
         )
         rows = spo_rows_from_extra_fields(list(stored["extra_fields"]))
-        with provide_spo_rows(rows) as context:
+        with provide_spo_rows(rows, spo_settings_of(self)) as context:
             batch = super()._compute_advantage(batch, metrics)
         response_mask = stored["response_mask"]
         padded_mask = response_mask.to_padded_tensor(0)
@@ -123,7 +123,7 @@ class SPOTrainer(PPOTrainerSync):
     def _count_generated_tokens(self, batch, response_mask, metrics: dict) -> None:
         """``spo/generated_tokens`` of this step (padding rows excluded) and the token budget's stop."""
         if not hasattr(self, "_token_budget"):
-            self._token_budget = GeneratedTokenBudget(parse_spo_settings(self.config.algorithm.get("spo")).generated_token_budget)
+            self._token_budget = GeneratedTokenBudget(spo_settings_of(self).generated_token_budget)
         real_rows = [not tag.get("is_padding", False) for tag in batch.tags]
         response_tokens = sum(float(mask.sum()) for mask, real in zip(response_mask.unbind(), real_rows) if real)
         self._token_budget.record(self, step_generated_tokens(response_tokens, metrics), metrics)
@@ -131,7 +131,7 @@ class SPOTrainer(PPOTrainerSync):
     def _log_samples(self, batch, stored, context) -> None:
         """``algorithm.spo.sample_log``: fetch only the chosen rows from TransferQueue and append them.
         ``stored`` holds the batch's uids and its response_mask before SPO narrowed it."""
-        if sample_log_settings(self.config.algorithm).dir is None:
+        if spo_settings_of(self).sample_log.dir is None:
             return
         masks = list(stored["response_mask"].unbind())
         trained_mask = context.trained_mask if context is not None else None
@@ -161,7 +161,7 @@ class SPOTrainer(PPOTrainerSync):
             self.global_steps, self.config, self.tokenizer, uids, [int(m.sum()) for m in masks], fetch,
             rows=context.rows if context is not None else None,
             tree_nodes=context.tree_nodes if context is not None else None,
-            padding=[bool(tag.get("is_padding", False)) for tag in batch.tags],
+            padding=[bool(tag.get("is_padding", False)) for tag in batch.tags], settings=spo_settings_of(self),
         )
 
     def _update_actor(self, batch, metrics: dict):
