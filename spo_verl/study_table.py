@@ -127,12 +127,37 @@ def study_runs(output_dir: Path) -> dict[str, list[Path]]:
     return runs
 
 
+def export_answers(runs: dict[str, list[Path]], path: Path) -> Path:
+    """Every held-out answer's score at each run's first and last validation, one CSV row each
+    (``problem``: the answer's position in the sorted prompts), so the table can be recomputed
+    without the dumps."""
+    import csv
+
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["algorithm", "seed", "step", "problem", "score"])
+        for name, folders in runs.items():
+            for folder in folders:
+                read = first_and_last(folder)
+                if read is None:
+                    continue
+                base, final, step = read
+                order = {prompt: i for i, prompt in enumerate(sorted(base))}
+                for at, scores in ((0, base), (step, final)):
+                    for prompt, score in sorted(scores.items(), key=lambda item: order.get(item[0], -1)):
+                        writer.writerow([name, folder.name.removeprefix("seed"), at, order.get(prompt, -1), f"{score:g}"])
+    return path
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m spo_verl.study_table", description=__doc__.split("\n\n")[0])
     parser.add_argument("--output-dir", type=Path, required=True, help="the study's folder (bash scripts/compare.sh --output-dir)")
     parser.add_argument("--reference", default="grpo", help="the algorithm the others are compared with (default grpo)")
+    parser.add_argument("--export", type=Path, help="also write every answer's score to this CSV")
     args = parser.parse_args(argv)
     runs = study_runs(args.output_dir)
+    if args.export:
+        export_answers(runs, args.export)
     rows = summarize(runs)
     print("| algorithm | seeds | problems | base | final (mean +- se seeds) | gain | se seeds | se problems | se | gain / se |")
     print("|---|---|---|---|---|---|---|---|---|---|")

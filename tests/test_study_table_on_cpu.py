@@ -35,7 +35,14 @@ def test_gains_and_their_standard_errors(tmp_path, capsys):
     assert tree.gain_se == pytest.approx(math.hypot(tree.gain_se_seeds, tree.gain_se_problems))
     difference = study_table.difference(study_table.study_runs(tmp_path), "spo_tree", "grpo")
     assert difference["difference"] == pytest.approx(0.5 - 1 / 6)
-    assert study_table.main(["--output-dir", str(tmp_path)]) == 0
+    assert study_table.main(["--output-dir", str(tmp_path), "--export", str(tmp_path / "answers.csv")]) == 0
+    import csv
+
+    with open(tmp_path / "answers.csv") as handle:
+        answers = list(csv.DictReader(handle))
+    assert len(answers) == 2 * 3 * 2 * 4  # algorithms x seeds x (first, last) x problems
+    assert [a["score"] for a in answers if a["algorithm"] == "grpo" and a["seed"] == "1" and a["step"] == "10"] == [
+        "1", "0", "0", "0"]
     out = capsys.readouterr().out
     assert "| spo_tree | 3 | 4 | 0.250 | 0.500 +- 0.144 | +0.250 |" in out and "| spo_tree | +0.333 |" in out
 
