@@ -341,6 +341,11 @@ def report(study: Study) -> int:
     errors = write_error_table(study, study.output_dir / "report" / "errors.csv")
     if errors is not None:
         print(f"compare: held-out errors by kind (first and last validation of each run): {errors}", flush=True)
+    from spo_verl.study_table import write_table
+
+    table = write_table(study.output_dir, study.output_dir / "report" / "table.md")
+    if table is not None:
+        print(f"compare: final table with standard errors over seeds and problems: {table}", flush=True)
     return status
 
 

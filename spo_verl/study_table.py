@@ -149,6 +149,34 @@ def export_answers(runs: dict[str, list[Path]], path: Path) -> Path:
     return path
 
 
+def render(rows: dict[str, Row], differences: list[dict], reference: str) -> str:
+    """The two tables as markdown."""
+    lines = ["| algorithm | seeds | problems | base | final (mean +- se seeds) | gain | se seeds | se problems | se | gain / se |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows.values():
+        lines.append(f"| {row.name} | {row.seeds} | {row.problems} | {row.base:.3f} | {row.final_mean:.3f} +- "
+                     f"{_fmt(row.final_se_seeds)} | {row.gain:+.3f} | {_fmt(row.gain_se_seeds)} | {row.gain_se_problems:.3f} | "
+                     f"{row.gain_se:.3f} | {row.gain / row.gain_se if row.gain_se else float('nan'):+.1f} |")
+    if differences:
+        lines += ["", f"| algorithm minus {reference} (final) | difference | se seeds | se problems | se |", "|---|---|---|---|---|"]
+        lines += [f"| {d['algorithm']} | {d['difference']:+.3f} | {_fmt(d['se_seeds'])} | {d['se_problems']:.3f} | {d['se']:.3f} |"
+                  for d in differences]
+    return "\n".join(lines)
+
+
+def write_table(output_dir: Path, path: Path, reference: str = "grpo") -> Path | None:
+    """The study's final table (markdown) and every answer's score (``answers.csv`` beside it)."""
+    runs = study_runs(output_dir)
+    rows = summarize(runs)
+    if not rows:
+        return None
+    differences = [d for name in rows if name != reference if (d := difference(runs, name, reference)) is not None]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render(rows, differences, reference) + "\n")
+    export_answers(runs, path.parent / "heldout_answers.csv")
+    return path
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m spo_verl.study_table", description=__doc__.split("\n\n")[0])
     parser.add_argument("--output-dir", type=Path, required=True, help="the study's folder (bash scripts/compare.sh --output-dir)")
@@ -159,20 +187,9 @@ def main(argv=None) -> int:
     if args.export:
         export_answers(runs, args.export)
     rows = summarize(runs)
-    print("| algorithm | seeds | problems | base | final (mean +- se seeds) | gain | se seeds | se problems | se | gain / se |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for row in rows.values():
-        print(f"| {row.name} | {row.seeds} | {row.problems} | {row.base:.3f} | {row.final_mean:.3f} +- "
-              f"{_fmt(row.final_se_seeds)} | {row.gain:+.3f} | {_fmt(row.gain_se_seeds)} | {row.gain_se_problems:.3f} | "
-              f"{row.gain_se:.3f} | {row.gain / row.gain_se if row.gain_se else float('nan'):+.1f} |")
     differences = [d for name in rows if name != args.reference
                    if (d := difference(runs, name, args.reference)) is not None]
-    if differences:
-        print()
-        print(f"| algorithm minus {args.reference} (final) | difference | se seeds | se problems | se |")
-        print("|---|---|---|---|---|")
-        for d in differences:
-            print(f"| {d['algorithm']} | {d['difference']:+.3f} | {_fmt(d['se_seeds'])} | {d['se_problems']:.3f} | {d['se']:.3f} |")
+    print(render(rows, differences, args.reference))
     print(json.dumps({"rows": {name: asdict(row) for name, row in rows.items()}, "differences": differences}))
     return 0
 

@@ -51,3 +51,13 @@ def test_a_run_without_its_base_validation_is_left_out(tmp_path):
     write_run(tmp_path / "grpo" / "seed0", [1, 0], [1, 1])
     (tmp_path / "grpo" / "seed0" / "validation" / "0.jsonl").rename(tmp_path / "grpo" / "seed0" / "validation" / "5.jsonl")
     assert study_table.summarize(study_table.study_runs(tmp_path)) == {}
+
+
+def test_the_study_writes_its_table_and_answers_beside_the_report(tmp_path):
+    write_run(tmp_path / "spo_tree" / "seed0", [1, 0, 0, 0], [1, 1, 0, 0])
+    write_run(tmp_path / "grpo" / "seed0", [1, 0, 0, 0], [0, 0, 0, 0])
+    table = study_table.write_table(tmp_path, tmp_path / "report" / "table.md")
+    text = table.read_text()
+    assert "| spo_tree | 1 | 4 | 0.250 | 0.500 +- - | +0.250 |" in text and "| spo_tree | +0.500 |" in text
+    assert (tmp_path / "report" / "heldout_answers.csv").read_text().count("\n") == 1 + 2 * 2 * 4
+    assert study_table.write_table(tmp_path / "nothing", tmp_path / "t.md") is None
