@@ -51,6 +51,9 @@ class SPOBatchContext:
     tree_nodes: TreeNodes | None = None  # set by the spo_tree estimator
     settings: SPOSettings | None = None  # the trainer's algorithm.spo, parsed once; None: the estimator parses its config
 
+    def __post_init__(self):
+        self.rows = [from_extra_field(row) for row in self.rows]  # as written by the agent loops, or already read
+
 
 _current: contextvars.ContextVar[SPOBatchContext | None] = contextvars.ContextVar("spo_batch_context", default=None)
 
@@ -59,7 +62,7 @@ _current: contextvars.ContextVar[SPOBatchContext | None] = contextvars.ContextVa
 def provide_spo_rows(rows: Sequence[Any], settings: SPOSettings | None = None) -> Iterator[SPOBatchContext]:
     """Make ``rows`` (one SPO metadata per batch row, as the agent loop wrote it or already read; None
     for rows without any) visible to the estimators, as ``spo_verl.metadata`` rows."""
-    context = SPOBatchContext(rows=[from_extra_field(row) for row in rows], settings=settings)
+    context = SPOBatchContext(rows=list(rows), settings=settings)
     token = _current.set(context)
     try:
         yield context
