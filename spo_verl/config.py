@@ -74,6 +74,11 @@ class TreeSettings:
     ``max_trained_segments_per_prompt``: null trains every segment once (on-policy); a number trains at
     most that many segments per prompt, drawn at random, and leaves the rest out of the actor update
     (the reference samples 32 per prompt and keeps the rest in a replay buffer for later steps).
+    ``align_to_block``: null, or the rollout engine's KV-cache block size (vLLM's ``block_size``). Each
+    depth's budget is then lengthened by less than a block so that a child's prefix (prompt and
+    parent segments) ends one token past a block boundary. vLLM shares only whole cached blocks and
+    always recomputes a prompt's last token, so each child then recomputes one prompt token instead of
+    up to a block.
     """
 
     branching: tuple[int, ...] = (6, 6, 6)
@@ -81,6 +86,7 @@ class TreeSettings:
     std_normalize: bool = False
     drop_zero_advantage: bool = True
     max_trained_segments_per_prompt: int | None = None
+    align_to_block: int | None = None
 
 
 @dataclass(frozen=True)
@@ -217,6 +223,7 @@ _CHECKS = {
     "tree.std_normalize": _boolean,
     "tree.drop_zero_advantage": _boolean,
     "tree.max_trained_segments_per_prompt": _optional_positive_int,
+    "tree.align_to_block": _optional_positive_int,
     "sample_log.dir": _optional_text,
     "sample_log.responses_per_step": _positive_int,
     "generated_token_budget": _optional_positive_int,
@@ -297,7 +304,8 @@ if not OmegaConf.has_resolver("spo_leaf_slots"):
     OmegaConf.register_new_resolver("spo_leaf_slots", leaf_slots)
 
 
-def check_tree_fits(branching, segment_budgets, response_length: int, rollout_n: int) -> None:
+def check_tree_fits(branching, segment_budgets, response_length: int, rollout_n: int,
+                    align_to_block: int | None = None) -> None:
     """Config-time checks of the tree shape against verl's rollout settings."""
     leaves = math.prod(branching)
     if rollout_n != leaves:
@@ -310,3 +318,12 @@ def check_tree_fits(branching, segment_budgets, response_length: int, rollout_n:
             f"algorithm.spo.tree.segment_tokens {list(segment_budgets)} use {sum(segment_budgets)} tokens before the "
             f"last depth, which leaves nothing of actor_rollout_ref.rollout.response_length={response_length}"
         )
+    if align_to_block and segment_budgets:
+        # The first depth grows by up to a block less one token; later depths by what rounds them to a block.
+        longest = sum(segment_budgets) + align_to_block - 1 + sum(-b % align_to_block for b in segment_budgets[1:])
+        if longest >= response_length:
+            raise ValueError(
+                f"algorithm.spo.tree.segment_tokens {list(segment_budgets)} aligned to algorithm.spo.tree.align_to_block="
+                f"{align_to_block} can use {longest} tokens before the last depth, which leaves nothing of "
+                f"actor_rollout_ref.rollout.response_length={response_length}"
+            )

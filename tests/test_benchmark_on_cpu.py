@@ -8,8 +8,10 @@ import re
 
 import pytest
 
-from spo_verl.benchmarks import cli, rollout, tokens
+from spo_verl.benchmarks import cli, tokens, tree_rollout
 from spo_verl.benchmarks.report import Report, header, render
+from spo_verl.benchmarks.tree_rollout import LATENCY, TreeCase
+from spo_verl.benchmarks.tree_rollout_report import tree_section
 
 in_session_loop = pytest.mark.asyncio(loop_scope="session")  # the server's client lives there
 
@@ -69,8 +71,13 @@ def test_quick_maths_report_has_every_section_and_target(tmp_path, monkeypatch, 
 
 
 def test_analytic_counts():
-    assert rollout.analytic_tree_tokens((2, 2), (16,), 32) == 2 * 16 + 4 * 16
-    assert rollout.analytic_tree_tokens((6, 6, 6), (8, 8), 32) == 6 * 8 + 36 * 8 + 216 * 16
+    assert tree_rollout.analytic_tree_tokens((2, 2), (16,), 32) == 2 * 16 + 4 * 16
+    assert tree_rollout.analytic_tree_tokens((6, 6, 6), (8, 8), 32) == 6 * 8 + 36 * 8 + 216 * 16
+    # Aligned to 16-token blocks, a 37-token prompt's first segment grows to 28 (37 + 28 = 4 * 16 + 1);
+    # the second, a whole number of blocks, keeps the alignment.
+    assert tree_rollout.aligned_budgets(37, (16, 32), 16) == (28, 32)
+    assert tree_rollout.aligned_budgets(37, (16, 32), None) == (16, 32)
+    assert tree_rollout.analytic_tree_tokens((6, 6, 6), (28, 32), 96) == 6 * 28 + 36 * 32 + 216 * 36
     paper = tokens.paper_counts()
     assert paper["spo_tree_rows"] == 356_400 and paper["unique"] == 90_150  # the paper setting: 6-6-6 trees, 30 prompts a step (spo_verl/benchmarks/tokens.py)
 
@@ -78,26 +85,39 @@ def test_analytic_counts():
 @in_session_loop
 async def test_tree_rollout_generates_its_analytic_count_through_verls_worker(verl_server, tiny_model):
     model_dir = tiny_model[0]
-    result = await rollout.benchmark_tree(verl_server, model_dir, "2-2", rollout.PROMPTS[:1], repeats=1,
-                                          response_length=24, budgets=(8,))
+    case = TreeCase("2-2", (8,), 24, 1, LATENCY)
+    result = await tree_rollout.benchmark_tree(verl_server, model_dir, case, rounds=2)
     assert result.early_stops == 0
     analytic = 2 * 8 + 4 * 16
-    assert result.analytic_generated == analytic
+    assert result.analytic_generated() == analytic
+    assert len(result.tree.rounds) == len(result.independent.rounds) == 2
+    # One timer: the comparison's seconds are the sides' own step timers.
+    assert result.comparison.a_seconds == [r["seconds"] for r in result.tree.rounds]
+    assert result.comparison.b_seconds == [r["seconds"] for r in result.independent.rounds]
     tree = result.tree.rounds[-1]
     independent = result.independent.rounds[-1]
-    assert tree["counts"].generated_tokens == analytic == rollout.tree_generated_from_metadata(tree["output"])
+    assert tree["counts"].generated_tokens == analytic == tree_rollout.tree_generated_from_metadata(tree["output"])
     assert tree["counts"].requests == 2 + 4
     assert independent["counts"].generated_tokens == 4 * 24 and independent["counts"].requests == 4
-    assert tree["vllm"] is None  # the session server runs with vLLM's statistics off
-    # Training rows: 4 leaf rows of prompt + 24 tokens each; the tree's unique tokens once.
+    assert tree["vllm"] is None and tree["engine"] is None  # the session server runs with vLLM's statistics off
+    # The prefix cache is emptied before every step: each step computes its first request's prompt in full.
     prompt = int(tree["output"].batch["attention_mask"][0, : tree["output"].batch["prompts"].shape[1]].sum())
-    assert rollout.training_rows(tree["output"]) == {"rows": 4, "tokens": 4 * (prompt + 24)}
-    assert rollout.tree_unique_tokens(tree["output"]) == prompt + analytic
+    assert tree["counts"].computed_prompt_tokens >= prompt and independent["counts"].computed_prompt_tokens >= prompt
+    assert tree_rollout.critical_path(tree["output"]) == (24, 2)
+    assert tree_rollout.critical_path(independent["output"]) == (24, 1)
+    assert tree_rollout.work(tree["counts"]) == analytic + tree["counts"].computed_prompt_tokens
+    assert 0 < result.round_trip_seconds < 5
+    # Training rows: 4 leaf rows of prompt + 24 tokens each; the tree's unique tokens once.
+    assert tree_rollout.training_rows(tree["output"]) == {"rows": 4, "tokens": 4 * (prompt + 24)}
+    assert tree_rollout.tree_unique_tokens(tree["output"]) == prompt + analytic
     report = Report()
-    cli.tree_section(report, [result], "")
+    tree_section(report, [result])
     cli.training_tokens_section(report, result)
     text = render(report, header("test", 1, None))
-    assert "| `spo_tree` 2-2 | 1 x 4 |" in text and "| `single_turn_agent` | 1 x 4 |" in text
-    assert re.search(r"\| 1\. `spo_tree` 2-2: generated tokens = analytic count \| .*? \| hit \|", text)
+    assert "| **latency-bound** 2-2, 1 x 4, forced length, segments [8] unaligned |" in text
+    assert re.search(r"^\| `spo_tree` \| [\d.]+ \| 6 \| 80 \| 80 \| \d+ / \d+ \| [\d,]+ \| 24 / 2 \|", text, flags=re.MULTILINE)
+    assert re.search(r"^\| `single_turn_agent` \| [\d.]+ \| 4 \| 96 \| 96 \| .*? \| 24 / 1 \|", text, flags=re.MULTILINE)
+    assert re.search(r"\| 1\. `spo_tree` 2-2 latency-bound: generated tokens = analytic count \| .*? \| hit \|", text)
+    assert re.search(r"\| 1\. 2-2, 1 x 4, forced length, segments \[8\] unaligned, latency-bound: tree's extra wall time \| .*? \| (hit|\*\*MISS\*\*) \|", text)
     assert re.search(r"\| 5\. training tokens per step, `spo_tree` 2-2 .*? \| hit \|", text)
     assert math.isfinite(result.comparison.ratio)

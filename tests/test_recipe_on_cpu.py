@@ -81,6 +81,10 @@ def test_rollout_n_follows_the_tree_shape():
         (["actor_rollout_ref.rollout.agent.default_agent_loop=single_turn_agent"], r"adv_estimator=spo_tree needs actor_rollout_ref\.rollout\.agent\.default_agent_loop=spo_tree"),
         (["trainer.v1.trainer_mode=sync"], r"needs trainer\.v1\.trainer_mode=spo"),
         (["actor_rollout_ref.rollout.agent.default_agent_loop=nope"], r"default_agent_loop=nope is not a registered agent loop"),
+        (["algorithm.spo.tree.align_to_block=0"], r"algorithm\.spo\.tree\.align_to_block must be a positive integer, got 0"),
+        # 760 + 760 plus up to 15 tokens of alignment at depth 1 and 8 at depth 2 would reach 1543 of 1536.
+        (["algorithm.spo.tree.segment_tokens=[760,760]", "algorithm.spo.tree.align_to_block=16"],
+         r"segment_tokens \[760, 760\] aligned to algorithm\.spo\.tree\.align_to_block=16 can use 1543 tokens"),
         (["algorithm.spo.prob_mask.normalization=mean"], r"prob_mask\.normalization must be one of \['reference', 'verl'\]"),
         # verl's legacy manager cuts the repeated batch into num_workers chunks: 2 prompts over 8 workers
         # would cut each prompt's tree in four.
@@ -111,6 +115,29 @@ def test_invalid_runs_fail_at_configuration_time(overrides, message):
     # A bad tree shape already fails while rollout.n is resolved from it; the message is the same.
     with pytest.raises((ValueError, InterpolationResolutionError), match=message):
         validate_spo_run(compose_recipe(*overrides))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "warning"),
+    [
+        ([], None),  # 600-token segments against vLLM's 16-token GPU blocks
+        (["algorithm.spo.tree.segment_tokens=[8,600]"], r"segment_tokens \[8, 600\] has segments shorter than the "
+         r"rollout engine's KV-cache block \(16 tokens\).*align_to_block=16"),
+        (["algorithm.spo.tree.segment_tokens=[20,600]", "+actor_rollout_ref.rollout.engine_kwargs.vllm.block_size=32"],
+         r"shorter than the rollout engine's KV-cache block \(32 tokens\)"),
+        (["algorithm.spo.tree.segment_tokens=[8,600]", "algorithm.spo.tree.align_to_block=16"], None),
+        (["algorithm.spo.tree.align_to_block=32"], r"align_to_block=32 differs from the rollout engine's KV-cache block size 16"),
+        (["trainer.device=cpu", "algorithm.spo.tree.segment_tokens=[100,600]"], r"block \(128 tokens\)"),  # vLLM's CPU default
+    ],
+)
+def test_segments_shorter_than_a_cache_block_are_warned_about_at_configuration_time(overrides, warning, caplog):
+    with caplog.at_level("WARNING", logger="spo_verl.trainer.validation"):
+        validate_spo_run(compose_recipe(*overrides))
+    messages = [record.getMessage() for record in caplog.records if record.name == "spo_verl.trainer.validation"]
+    if warning is None:
+        assert messages == []
+    else:
+        assert len(messages) == 1 and re.search(warning, messages[0]), messages
 
 
 def run_script(script, *args, **env):

@@ -15,7 +15,7 @@ import spo_verl.register  # noqa: F401
 from spo_verl.agent_loops.tree_agent_loop import SPOTreeAgentLoop
 from spo_verl.algorithms import tree_advantages, tree_values
 from spo_verl.batch_context import provide_spo_rows
-from spo_verl.rollout.tree import sample_tree
+from spo_verl.rollout.tree import block_aligned_budget, sample_tree
 from spo_verl.testing.verl_harness import compose_ppo_trainer, make_agent_loop, run_sessions
 
 in_session_loop = pytest.mark.asyncio(loop_scope="session")  # the server's client lives there
@@ -152,6 +152,52 @@ async def test_a_childs_subtree_starts_when_its_own_segment_ends(llm_client, tin
     assert len(tree.leaves()) == 6 and all(len(tree.nodes[n].token_ids) == 8 for n in tree.nodes[0].children)
     # Children keep their request order (what verl's session slots count), whatever order they finished in.
     assert tree.nodes[0].children == [1, 2, 3]
+
+
+def test_block_aligned_budget_ends_a_prefix_one_token_past_a_block():
+    assert block_aligned_budget(37, 16, 16) == 28  # 37 + 28 = 65 = 4 * 16 + 1
+    assert block_aligned_budget(33, 16, 16) == 16  # already aligned: 49 = 3 * 16 + 1
+    assert block_aligned_budget(34, 16, 16) == 31  # never shorter than asked: 65
+    assert block_aligned_budget(0, 1, 16) == 1
+    assert block_aligned_budget(65, 32, 16) == 32  # a later depth with a whole number of blocks keeps alignment
+    for prefix in range(200):
+        budget = block_aligned_budget(prefix, 10, 32)
+        assert 10 <= budget < 10 + 32 and (prefix + budget) % 32 == 1
+
+
+@in_session_loop
+async def test_aligned_children_recompute_one_prompt_token_on_verls_server(llm_client, tiny_model):
+    """verl's real server on vLLM's CPU backend (128-token cache blocks): aligned to the block, every
+    child's prefix ends one token past a block and vLLM serves all of it but that token from its prefix
+    cache; unaligned, the same tree's children recompute their whole partial block."""
+    tokenizer = tiny_model[1]
+    prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}],
+                                               add_generation_prompt=True, tokenize=True)
+    prompt_ids = list(getattr(prompt_ids, "input_ids", prompt_ids))
+    block = 128
+    assert len(prompt_ids) + 8 < block
+
+    async def sample(align):
+        calls = []
+
+        async def generate(request_id, *, prompt_ids, sampling_params, **kwargs):
+            # Every segment gets its full budget (no EOS), so every first-depth node has children.
+            params = {**sampling_params, "min_tokens": sampling_params["max_tokens"]}
+            output = await llm_client.generate(request_id, prompt_ids=prompt_ids, sampling_params=params, **kwargs)
+            calls.append((len(prompt_ids), output.extra_fields["num_cached_tokens"], len(output.token_ids)))
+            return output
+
+        await sample_tree(generate, f"aligned-{align}", prompt_ids, dict(SAMPLING), branching=[2, 2], segment_budgets=[8],
+                          response_length=160, eos_token_ids={tokenizer.eos_token_id}, align_to_block=align)
+        return calls
+
+    aligned = await sample(block)
+    first = block_aligned_budget(len(prompt_ids), 8, block)
+    assert sorted(c[2] for c in aligned if c[0] == len(prompt_ids)) == [first, first]
+    children = [c for c in aligned if c[0] > len(prompt_ids)]
+    assert len(children) == 4 and all(length == block + 1 and cached == block for length, cached, _ in children), aligned
+    unaligned = [c for c in await sample(None) if c[0] > len(prompt_ids)]
+    assert len(unaligned) == 4 and all(length == len(prompt_ids) + 8 and cached == 0 for length, cached, _ in unaligned), unaligned
 
 
 def reward_of(tokenizer, response_ids):

@@ -65,9 +65,11 @@ class SPOTreeAgentLoop(AgentLoopBase):
         settings = parse_spo_settings(self.config.algorithm.get("spo", None)).tree
         self.branching = settings.branching
         self.segment_budgets = tree_segment_budgets(settings)
+        self.align_to_block = settings.align_to_block
         self.response_length = self.rollout_config.response_length
         self.legacy_trainer = not self.config.trainer.get("use_v1", True)
-        check_tree_fits(self.branching, self.segment_budgets, self.response_length, self.rollout_config.n)
+        check_tree_fits(self.branching, self.segment_budgets, self.response_length, self.rollout_config.n,
+                        self.align_to_block)
 
     async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput | list[AgentLoopOutput]:
         uid = str(kwargs["uid"])
@@ -103,6 +105,7 @@ class SPOTreeAgentLoop(AgentLoopBase):
                 segment_budgets=self.segment_budgets,
                 response_length=self.response_length,
                 eos_token_ids={self.tokenizer.eos_token_id},
+                align_to_block=self.align_to_block,
             )
         return tree, metrics
 

@@ -19,9 +19,10 @@ import time
 
 import torch
 
-from spo_verl.benchmarks import maths, rollout, tokens
+from spo_verl.benchmarks import maths, rollout, tokens, tree_rollout
 from spo_verl.benchmarks.report import Report, header, render, table
 from spo_verl.benchmarks.timing import compare, measure_memory_case, memory_report
+from spo_verl.benchmarks.tree_rollout_report import tree_section
 
 ESTIMATOR_TARGET = 3.0
 LOSS_TARGET = 1.1
@@ -191,66 +192,6 @@ def e2e_step_times() -> str:
 # ------------------------------------------------------------------------------------------------
 
 
-def _counts_cell(side: rollout.Side, attribute: str) -> str:
-    values = [getattr(r["counts"], attribute) for r in side.rounds]
-    return str(values[-1]) if len(set(values)) == 1 else f"{min(values)}-{max(values)}"
-
-
-def _vllm_agrees(side: rollout.Side) -> bool | None:
-    checks = [r["vllm"] == r["counts"] for r in side.rounds if r["vllm"] is not None]
-    return all(checks) if checks else None
-
-
-def tree_section(report: Report, results: list[rollout.TreeResult], counter_source: str) -> None:
-    rows, token_rows = [], []
-    for result in results:
-        for side, label in ((result.tree, f"`spo_tree` {result.shape}"), (result.independent, "`single_turn_agent`")):
-            last = side.rounds[-1]
-            counts = last["counts"]
-            rows.append([
-                label, f"{result.prompts} x {result.leaves}", f"{statistics.median(r['seconds'] for r in side.rounds):.2f}",
-                _counts_cell(side, "requests"), _counts_cell(side, "generated_tokens"),
-                f"{counts.cached_prompt_tokens} / {counts.computed_prompt_tokens}",
-                str(result.analytic_generated) if side is result.tree else str(result.prompts * result.leaves * result.response_length),
-                {True: "yes", False: "**no**", None: "-"}[_vllm_agrees(side)],
-            ])
-        generated = [r["counts"].generated_tokens for r in result.tree.rounds]
-        exact = all(g == result.analytic_generated for g in generated) and result.early_stops == 0
-        independent = result.independent.rounds[-1]["counts"].generated_tokens
-        rows.append([f"**tree / independent** {result.shape}", "", result.comparison.ratio_text(), "",
-                     f"{result.tree.rounds[-1]['counts'].generated_tokens / independent:.2f}x", "", "", ""])
-        report.target(f"1. `spo_tree` {result.shape}: generated tokens = analytic count",
-                      "equal, fixed seed", f"{sorted(set(generated))} vs {result.analytic_generated}", exact,
-                      "" if exact else f"{result.early_stops} early stops: EOS was sampled")
-        tree_training = rollout.training_rows(result.tree.rounds[-1]["output"])
-        grpo_training = rollout.training_rows(result.independent.rounds[-1]["output"])
-        unique = rollout.tree_unique_tokens(result.tree.rounds[-1]["output"])
-        token_rows.append([result.shape, f"{tree_training['tokens']:,} ({tree_training['rows']} rows)",
-                           f"{grpo_training['tokens']:,} ({grpo_training['rows']} rows)", f"{unique:,}",
-                           f"{tree_training['tokens'] / unique:.2f}x"])
-    report.add("1. Tree rollout against independent sampling, through verl's rollout path", f"""
-verl's `AgentLoopWorker.generate_sequences` (the code of verl's agent-loop workers, run in the benchmark's
-process) with verl's `LLMServerClient` in front of one standalone verl `vLLMReplica` on vLLM's CPU backend
-(`spo_verl/testing/verl_server.py`, the `spo_cpu` platform), the tests' tiny random Qwen2 (2 layers,
-character tokenizer). The `spo_tree` loop against `single_turn_agent` with `rollout.n` = the tree's leaves,
-the same prompts, temperature 1, a {rollout.RESPONSE_LENGTH}-token response length; every request carries
-vLLM's `min_tokens = max_tokens`, so no EOS is sampled and every node gets its full budget (segments:
-{", ".join(f"{r.shape} {list(r.budgets)} + last {r.response_length - sum(r.budgets)}" for r in results)}).
-Counts are those of the last round; the wall time is the median over rounds. Prefix cache: prompt tokens
-vLLM served from its prefix cache / computed (`RequestOutput.num_cached_tokens`, per request, through
-verl's `TokenOutput.extra_fields`). {counter_source}
-
-{table(["side", "prompts x leaves", "wall s", "requests", "generated tokens", "prompt tokens cached / computed", "analytic generated", "vLLM counters agree"], rows)}
-""")
-    report.add("5b. Training tokens per step, measured on these CPU rollouts", f"""
-Tokens through the actor's forward and backward for the batches above (every row is prompt + response,
-the attention-masked tokens verl's remove-padding forward sees; the legacy loop's stand-in rows that train
-nothing excluded) against the tree's unique tokens (each prompt and each node once):
-
-{table(["shape", "SPO-tree rows", "GRPO, same leaves", "tree's unique tokens", "rows / unique"], token_rows)}
-""")
-
-
 def chain_section(report: Report, results: list[rollout.ChainResult]) -> None:
     rows = []
     for result in results:
@@ -281,7 +222,7 @@ rollout batch (the rest of a training step is the same for both).
 """)
 
 
-def training_tokens_section(report: Report, measured: rollout.TreeResult | None) -> None:
+def training_tokens_section(report: Report, measured: tree_rollout.TreeResult | None) -> None:
     paper = tokens.paper_counts()
     rows = [
         ["SPO-tree 6-6-6, one row per leaf (verl today)", f"{paper['spo_tree_rows']:,}", f"{paper['spo_tree_rows'] * 32:,}"],
@@ -302,16 +243,18 @@ trainer also drops rows with no trained token (every segment is trained by one r
 are dropped), which only helps when whole leaves have nothing to train.
 """
     if measured is not None:
-        output = measured.tree.rounds[-1]["output"]
-        tree_tokens = rollout.training_rows(output)["tokens"]
-        unique = rollout.tree_unique_tokens(output)
-        last = measured.response_length - sum(measured.budgets)
-        analytic = sum(tokens.per_leaf_row_tokens(p, measured.branching, (*measured.budgets, last))
-                       for p in _tree_prompt_lengths(output))
-        text += (f"\nMeasured on the CPU `spo_tree` {measured.shape} rollout (section 1): {tree_tokens:,} row tokens for "
-                 f"{unique:,} unique tokens ({tree_tokens / unique:.2f}x); analytic for its prompts and shape: {analytic:,} row tokens.\n")
+        case, output = measured.case, measured.tree.rounds[-1]["output"]
+        tree_tokens = tree_rollout.training_rows(output)["tokens"]
+        unique = tree_rollout.tree_unique_tokens(output)
+        analytic = 0
+        for prompt in tree_rollout.tree_prompt_lengths(output):
+            budgets = tree_rollout.aligned_budgets(prompt, case.budgets, case.align_to_block)
+            analytic += tokens.per_leaf_row_tokens(prompt, case.branching, (*budgets, case.response_length - sum(budgets)))
+        text += (f"\nMeasured on the CPU `spo_tree` rollout of section 1 ({case.regime}, {case.label}): {tree_tokens:,} row "
+                 f"tokens for {unique:,} unique tokens ({tree_tokens / unique:.2f}x); analytic for its prompts and shape: "
+                 f"{analytic:,} row tokens.\n")
         exact = measured.early_stops == 0 and tree_tokens == analytic
-        report.target(f"5. training tokens per step, `spo_tree` {measured.shape} (CPU rows vs analytic)",
+        report.target(f"5. training tokens per step, `spo_tree` {case.shape} (CPU rows vs analytic)",
                       "measured = analytic", f"{tree_tokens:,} rows vs {analytic:,} analytic; {unique:,} unique "
                       f"({tree_tokens / unique:.2f}x)", exact)
     report.target("5. training tokens per step, paper 6-6-6 (analytic)", "reported",
@@ -319,36 +262,26 @@ are dropped), which only helps when whole leaves have nothing to train.
     report.add("5. Training tokens per step", text)
 
 
-def _tree_prompt_lengths(output) -> list[int]:
-    lengths = output.batch["attention_mask"][:, : output.batch["prompts"].shape[1]].sum(dim=1).tolist()
-    seen, result = set(), []
-    for row, meta in enumerate(output.non_tensor_batch["spo"]):
-        if meta["tree_id"] not in seen:
-            seen.add(meta["tree_id"])
-            result.append(lengths[row])
-    return result
-
-
-async def run_rollout(report: Report, quick: bool, repeats: int) -> rollout.TreeResult | None:
+async def run_rollout(report: Report, quick: bool, repeats: int) -> tree_rollout.TreeResult | None:
+    """Sections 1 and 2 on one server; returns the case section 5 measures its row tokens on (the
+    largest forced-length tree)."""
     from spo_verl.cpu_settings.tiny_model import build_tiny_qwen2, build_tiny_tokenizer
 
     with tempfile.TemporaryDirectory() as model_dir:
         build_tiny_qwen2(model_dir, build_tiny_tokenizer(model_dir), seed=0)
         server = await rollout.start_server(model_dir)
         try:
-            shapes = ["2-2"] if quick else list(rollout.TREE_SHAPES)
-            prompts = rollout.PROMPTS[:1] if quick else rollout.PROMPTS[:2]
-            trees = [await rollout.benchmark_tree(server, model_dir, shape, prompts, repeats) for shape in shapes]
+            cases = tree_rollout.QUICK_CASES if quick else tree_rollout.CASES
+            trees = [await tree_rollout.benchmark_tree(server, model_dir, case, repeats) for case in cases]
             chain_n, mc = (2, 3) if quick else (4, 9)
             chains = [await rollout.benchmark_chain(server, model_dir, interval, rollout.PROMPTS[:1] if quick else rollout.PROMPTS[:2],
                                                     chain_n, mc, repeats) for interval in rollout.CHAIN_INTERVALS]
         finally:
             server.shutdown()
-    tree_section(report, trees, "vLLM's own Prometheus counters, read in verl's server actor "
-                 "(`vllm:request_success`, `vllm:prompt_tokens_by_source`, `vllm:generation_tokens`), must give the "
-                 "same requests, cached/computed prompt tokens and generated tokens: last column.")
+    tree_section(report, trees)
     chain_section(report, chains)
-    return trees[-1]
+    forced = [result for result in trees if result.case.full_length]
+    return max(forced, key=lambda result: result.case.leaves * result.case.prompts) if forced else None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -561,7 +494,7 @@ def build_report(quick: bool, skip_rollout: bool, repeats: int, threads: int, sk
         from spo_verl.benchmarks import step as step_benchmark
 
         step_section(report, step_benchmark.run("cpu-smollm2", 6, ["spo_tree", "grpo"]))
-    measured = None if skip_rollout else asyncio.run(run_rollout(report, quick, max(2, repeats // 2 + 1) if not quick else 1))
+    measured = None if skip_rollout else asyncio.run(run_rollout(report, quick, 1 if quick else repeats))
     training_tokens_section(report, measured)
     # Sections in their numbered order.
     report.sections.sort(key=lambda section: section.split(" ", 2)[1])

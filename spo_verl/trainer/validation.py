@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
@@ -10,6 +11,12 @@ import spo_verl.register  # noqa: F401  (agent loops registered before they are 
 from spo_verl.config import check_tree_fits, parse_spo_settings, tree_segment_budgets
 from spo_verl.policy_loss import LOSS_NAME
 from spo_verl.trainer.common import SPO_AGENT_LOOPS, SPO_ESTIMATORS, TRAINER_MODE
+
+logger = logging.getLogger(__name__)
+
+#: vLLM's KV-cache block size when ``engine_kwargs.vllm.block_size`` is not set: 16 on GPUs, 128 on
+#: its CPU backend.
+VLLM_DEFAULT_BLOCK_SIZE = {"cuda": 16, "cpu": 128}
 
 
 def validate_spo_run(config: Any) -> None:
@@ -46,11 +53,39 @@ def validate_spo_run(config: Any) -> None:
                 f"({workers}): verl splits each batch into that many equal chunks and a prompt's sessions must stay in one"
             )
     if estimator == "spo_tree":
-        check_tree_fits(settings.tree.branching, tree_segment_budgets(settings.tree), rollout.response_length, rollout.n)
+        check_tree_fits(settings.tree.branching, tree_segment_budgets(settings.tree), rollout.response_length, rollout.n,
+                        settings.tree.align_to_block)
+        warn_if_segments_split_blocks(settings.tree, rollout, config.trainer.get("device", "cuda"))
 
     if settings.packed_training:
         check_packed_training(config)
     check_rollout_log_probs_as_old(config)
+
+
+def engine_block_size(rollout: Any, device: str) -> int | None:
+    """The vLLM rollout's KV-cache block size; None for other engines."""
+    if rollout.get("name", "vllm") != "vllm":
+        return None
+    engine = (rollout.get("engine_kwargs", None) or {}).get("vllm", None) or {}
+    return int(engine.get("block_size", None) or VLLM_DEFAULT_BLOCK_SIZE.get(device, VLLM_DEFAULT_BLOCK_SIZE["cuda"]))
+
+
+def warn_if_segments_split_blocks(tree: Any, rollout: Any, device: str) -> None:
+    """A child's request recomputes the part of its prefix past the last whole cached block: up to a
+    block per child, as many tokens as a short segment generates. Said once, at config time."""
+    block = engine_block_size(rollout, device)
+    if block is None:
+        return
+    if tree.align_to_block and tree.align_to_block != block:
+        logger.warning("algorithm.spo.tree.align_to_block=%s differs from the rollout engine's KV-cache block size %s "
+                       "(actor_rollout_ref.rollout.engine_kwargs.vllm.block_size): children will recompute up to a block "
+                       "of their prefix", tree.align_to_block, block)
+    short = [budget for budget in tree_segment_budgets(tree) if budget < block]
+    if short and not tree.align_to_block:
+        logger.warning("algorithm.spo.tree.segment_tokens %s has segments shorter than the rollout engine's KV-cache "
+                       "block (%s tokens): each child recomputes up to a block of its prefix, about as many tokens as its "
+                       "segment generates. Longer segments or algorithm.spo.tree.align_to_block=%s cut that to one token",
+                       list(tree_segment_budgets(tree)), block, block)
 
 
 def check_rollout_log_probs_as_old(config: Any) -> None:
