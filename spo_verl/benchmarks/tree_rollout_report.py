@@ -126,7 +126,9 @@ after an untimed warm-up of each. "Forced length": every request carries vLLM's 
 
 Per side (counts of the last round; a range where rounds differ): prompt tokens cached / computed from
 `RequestOutput.num_cached_tokens` (per request, through verl's `TokenOutput.extra_fields`); work = generated
-+ computed prompt tokens; critical path = tokens / requests on the longest root-to-leaf path; from vLLM's own
++ computed prompt tokens; critical path = tokens / requests on the longest root-to-leaf path (a request's
+first token comes with its prefill, every other token is one decode step: the path's decode steps are
+its tokens minus its requests, a flat sample's its tokens minus one); from vLLM's own
 Prometheus metrics read in verl's server actor: engine iterations (`vllm:iteration_tokens_total`), work per
 iteration, wall time per iteration, queue time summed over requests (`vllm:request_queue_time_seconds`), the KV cache's peak fill
 (`vllm:kv_cache_usage_perc`, polled every 0.1 s) and preemptions; the last column checks vLLM's
