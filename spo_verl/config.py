@@ -66,6 +66,30 @@ class ChainSettings:
 
 
 @dataclass(frozen=True)
+class CutpointTreeSettings:
+    """SPO-tree with ``branch_at: cutpoint``: a tree that forks where the model is uncertain.
+
+    Per prompt, ``responses`` whole responses are sampled. On each, the fork points are its cutpoints
+    as SPO-chain finds them (tokens with p < ``threshold`` under softmax(logits / T), every
+    ``interval``-th, a final EOS never), at most ``max_forks`` of them; from the prefix just before
+    each fork token ``width`` continuations are sampled to the end. A path sampled in forking round r
+    forks again while r < ``rounds`` (the first responses are round 0). A prompt has at most
+    ``responses * sum((max_forks * width) ** r for r in 0..rounds)`` leaves, which must fit
+    ``actor_rollout_ref.rollout.n``.
+    """
+
+    responses: int = 4
+    width: int = 2
+    max_forks: int = 2
+    rounds: int = 1
+    threshold: float = 0.9
+    interval: int = 5
+
+
+TREE_BRANCH_POINTS = ("fixed", "cutpoint")
+
+
+@dataclass(frozen=True)
 class TreeSettings:
     """SPO-tree; the paper's headline is 6-6-6 with 600-token segments on MATH.
 
@@ -79,6 +103,9 @@ class TreeSettings:
     parent segments) ends one token past a block boundary. vLLM shares only whole cached blocks and
     always recomputes a prompt's last token, so each child then recomputes one prompt token instead of
     up to a block.
+    ``branch_at``: ``fixed`` forks every node into ``branching`` children after ``segment_tokens``
+    tokens; ``cutpoint`` forks at the model's low-probability tokens (``cutpoint``:
+    :class:`CutpointTreeSettings`; ``branching``, ``segment_tokens`` and ``align_to_block`` are unused).
     """
 
     branching: tuple[int, ...] = (6, 6, 6)
@@ -87,6 +114,8 @@ class TreeSettings:
     drop_zero_advantage: bool = True
     max_trained_segments_per_prompt: int | None = None
     align_to_block: int | None = None
+    branch_at: str = "fixed"
+    cutpoint: CutpointTreeSettings = field(default_factory=CutpointTreeSettings)
 
 
 @dataclass(frozen=True)
@@ -224,6 +253,13 @@ _CHECKS = {
     "tree.drop_zero_advantage": _boolean,
     "tree.max_trained_segments_per_prompt": _optional_positive_int,
     "tree.align_to_block": _optional_positive_int,
+    "tree.branch_at": _choice(TREE_BRANCH_POINTS),
+    "tree.cutpoint.responses": _positive_int,
+    "tree.cutpoint.width": _positive_int,
+    "tree.cutpoint.max_forks": _positive_int,
+    "tree.cutpoint.rounds": _positive_int,
+    "tree.cutpoint.threshold": _probability,
+    "tree.cutpoint.interval": _positive_int,
     "sample_log.dir": _optional_text,
     "sample_log.responses_per_step": _positive_int,
     "generated_token_budget": _optional_positive_int,
@@ -291,17 +327,39 @@ def tree_segment_budgets(tree: TreeSettings) -> tuple[int, ...]:
     return tree.segment_tokens
 
 
-def leaf_slots(branching: Sequence[int]) -> int:
-    """Number of leaf slots of a tree shape: ``rollout.n`` of an SPO-tree run."""
-    result = 1
-    for width in _positive_int_list(f"{NAMESPACE}.tree.branching", list(branching)):
-        result *= width
-    return result
+def leaf_slots(tree: Sequence[int] | Mapping) -> int:
+    """Number of leaf slots of an SPO tree, ``rollout.n`` of an SPO-tree run: ``prod(branching)`` of a
+    fixed tree, :func:`cutpoint_tree_max_leaves` of a cutpoint tree. ``tree``: the ``algorithm.spo.tree``
+    section, or a fixed tree's branching."""
+    raw = _plain(tree)
+    if isinstance(raw, Mapping):
+        settings = _parse_section(TreeSettings, raw, f"{NAMESPACE}.tree")
+        if settings.branch_at == "cutpoint":
+            return cutpoint_tree_max_leaves(settings.cutpoint)
+        raw = list(settings.branching)
+    return math.prod(_positive_int_list(f"{NAMESPACE}.tree.branching", list(raw)))
 
 
 if not OmegaConf.has_resolver("spo_leaf_slots"):
-    # ``actor_rollout_ref.rollout.n: ${spo_leaf_slots:${algorithm.spo.tree.branching}}`` in the recipe.
+    # ``actor_rollout_ref.rollout.n: ${spo_leaf_slots:${algorithm.spo.tree}}`` in the recipe.
     OmegaConf.register_new_resolver("spo_leaf_slots", leaf_slots)
+
+
+def cutpoint_tree_max_leaves(cutpoint: CutpointTreeSettings) -> int:
+    """The most leaves a cutpoint tree can have: every path forks ``max_forks`` times into ``width``
+    new paths, for ``rounds`` rounds."""
+    per_path = cutpoint.max_forks * cutpoint.width
+    return cutpoint.responses * sum(per_path**r for r in range(cutpoint.rounds + 1))
+
+
+def check_cutpoint_tree_fits(cutpoint: CutpointTreeSettings, rollout_n: int) -> None:
+    leaves = cutpoint_tree_max_leaves(cutpoint)
+    if rollout_n < leaves:
+        raise ValueError(
+            f"algorithm.spo.tree.branch_at=cutpoint with responses={cutpoint.responses}, max_forks={cutpoint.max_forks}, "
+            f"width={cutpoint.width}, rounds={cutpoint.rounds} can sample up to {leaves} leaves a prompt, more than "
+            f"actor_rollout_ref.rollout.n={rollout_n} sessions can return: set rollout.n to {leaves} or lower those settings"
+        )
 
 
 def check_tree_fits(branching, segment_budgets, response_length: int, rollout_n: int,

@@ -71,6 +71,10 @@ def test_rollout_n_follows_the_tree_shape():
     config = compose_recipe("algorithm.spo.tree.branching=[4,5,6]", "algorithm.spo.tree.segment_tokens=[30,30]")
     assert config.actor_rollout_ref.rollout.n == 120
     validate_spo_run(config)
+    # A cutpoint tree: the most leaves its settings allow, 4 responses x (1 + 2 forks x 2 continuations).
+    config = compose_recipe("algorithm.spo.tree.branch_at=cutpoint")
+    assert config.actor_rollout_ref.rollout.n == 20
+    validate_spo_run(config)
 
 
 @pytest.mark.parametrize(
@@ -81,6 +85,10 @@ def test_rollout_n_follows_the_tree_shape():
         (["actor_rollout_ref.rollout.agent.default_agent_loop=single_turn_agent"], r"adv_estimator=spo_tree needs actor_rollout_ref\.rollout\.agent\.default_agent_loop=spo_tree"),
         (["trainer.v1.trainer_mode=sync"], r"needs trainer\.v1\.trainer_mode=spo"),
         (["actor_rollout_ref.rollout.agent.default_agent_loop=nope"], r"default_agent_loop=nope is not a registered agent loop"),
+        (["algorithm.spo.tree.branch_at=cutpoint", "actor_rollout_ref.rollout.n=8"],
+         r"branch_at=cutpoint with responses=4, max_forks=2, width=2, rounds=1 can sample up to 20 leaves a prompt, more "
+         r"than actor_rollout_ref\.rollout\.n=8"),
+        (["algorithm.spo.tree.branch_at=forks"], r"algorithm\.spo\.tree\.branch_at must be one of \['fixed', 'cutpoint'\]"),
         (["algorithm.spo.tree.align_to_block=0"], r"algorithm\.spo\.tree\.align_to_block must be a positive integer, got 0"),
         # 760 + 760 plus up to 15 tokens of alignment at depth 1 and 8 at depth 2 would reach 1543 of 1536.
         (["algorithm.spo.tree.segment_tokens=[760,760]", "algorithm.spo.tree.align_to_block=16"],
@@ -170,7 +178,7 @@ def test_grpo_differs_from_spo_tree_only_in_the_algorithm_parts():
     differing = [(a.strip(), b.strip()) for a, b in zip(tree, grpo) if a != b]
     assert differing == [
         ("loss_mode: spo_prob_mask", "loss_mode: vanilla"),
-        ("'n': ${spo_leaf_slots:${algorithm.spo.tree.branching}}", "'n': 8"),
+        ("'n': ${spo_leaf_slots:${algorithm.spo.tree}}", "'n': 8"),
         ("default_agent_loop: spo_tree", "default_agent_loop: single_turn_agent"),
         ("adv_estimator: spo_tree", "adv_estimator: grpo"),
     ]

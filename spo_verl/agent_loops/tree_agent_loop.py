@@ -7,13 +7,17 @@ stopped early (EOS above the last depth) shares that leaf with its sibling slots
 of them returns it, the others return nothing (default trainer) or a copy that trains nothing
 (legacy trainer, which needs exactly one output per session). Each returned leaf is an ordinary
 response, so verl's reward code scores it; its tree metadata travels in ``extra_fields["spo"]``.
+
+With ``algorithm.spo.tree.branch_at=cutpoint`` the tree forks at cutpoints
+(``spo_verl.rollout.cutpoint_tree``): its leaves take the first slots in node order, and
+``rollout.n`` must be at least the most leaves its settings allow; the slots beyond the leaves a tree
+produced return nothing (or a copy that trains nothing).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 from uuid import uuid4
@@ -23,7 +27,8 @@ from verl.utils.profiler import simple_timer
 
 from spo_verl.algorithms.segments import cut_by_length_limit
 from spo_verl.metadata import SPO_FIELD, TreeLeafRow, to_extra_field
-from spo_verl.config import check_tree_fits, parse_spo_settings, tree_segment_budgets
+from spo_verl.config import check_cutpoint_tree_fits, check_tree_fits, parse_spo_settings, tree_segment_budgets
+from spo_verl.rollout.cutpoint_tree import CutpointTree, sample_cutpoint_tree
 from spo_verl.rollout.server_output import merged_weight_versions
 from spo_verl.rollout.tree import SampledTree, sample_tree
 
@@ -37,7 +42,8 @@ class _TreeJob:
 
 
 def tree_statistics(tree: SampledTree) -> dict[str, Any]:
-    """Shape and cost of one tree, for the ``spo/tree/*`` metrics."""
+    """Shape and cost of one tree, for the ``spo/tree/*`` metrics. A fixed tree counts the leaves
+    that stopped above its last depth; a cutpoint tree its forks and where they fall."""
     depth = len(tree.branching)
     segments = tree.nodes[1:]
     leaves = tree.leaves()
@@ -47,13 +53,22 @@ def tree_statistics(tree: SampledTree) -> dict[str, Any]:
             early_stops[tree.nodes[leaf].depth - 1] += 1
     generated = sum(len(node.token_ids) for node in segments)
     independent = sum(len(tree.prefix(leaf)[0]) for leaf in leaves)
-    return {
+    statistics = {
         "nodes": len(segments),
         "leaves": len(leaves),
         "early_stops_per_depth": early_stops,
         "generated_tokens": generated,
         "independent_sample_tokens": independent,
+        "segment_tokens": [len(node.token_ids) for node in segments],
     }
+    if isinstance(tree, CutpointTree):
+        statistics.update({
+            "paths": tree.paths,
+            "forks": len(tree.forks),
+            "fork_positions": [fork.position / fork.response_tokens for fork in tree.forks],
+            "cutpoint_requests": tree.cutpoint_requests,
+        })
+    return statistics
 
 
 @register("spo_tree")
@@ -62,20 +77,20 @@ class SPOTreeAgentLoop(AgentLoopBase):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        settings = parse_spo_settings(self.config.algorithm.get("spo", None)).tree
-        self.branching = settings.branching
-        self.segment_budgets = tree_segment_budgets(settings)
-        self.align_to_block = settings.align_to_block
+        self.settings = parse_spo_settings(self.config.algorithm.get("spo", None)).tree
         self.response_length = self.rollout_config.response_length
         self.legacy_trainer = not self.config.trainer.get("use_v1", True)
-        check_tree_fits(self.branching, self.segment_budgets, self.response_length, self.rollout_config.n,
-                        self.align_to_block)
+        if self.settings.branch_at == "cutpoint":
+            check_cutpoint_tree_fits(self.settings.cutpoint, self.rollout_config.n)
+        else:
+            check_tree_fits(self.settings.branching, tree_segment_budgets(self.settings), self.response_length,
+                            self.rollout_config.n, self.settings.align_to_block)
 
     async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput | list[AgentLoopOutput]:
         uid = str(kwargs["uid"])
         job = self._jobs.get(uid)
         if job is None:
-            job = _TreeJob(asyncio.create_task(self._sample(sampling_params, kwargs)), sessions=math.prod(self.branching))
+            job = _TreeJob(asyncio.create_task(self._sample(sampling_params, kwargs)), sessions=self.rollout_config.n)
             self._jobs[uid] = job
         # The legacy trainer does not number sessions; they start in row order, before any await.
         slot = int(kwargs["session_id"]) if "session_id" in kwargs else next(job.next_slot)
@@ -95,18 +110,24 @@ class SPOTreeAgentLoop(AgentLoopBase):
     async def _sample(self, sampling_params: dict[str, Any], kwargs: dict[str, Any]) -> tuple[SampledTree, dict]:
         prompt_ids = await self.ct_build_initial_tokens(list(kwargs["raw_prompt"]))
         metrics: dict[str, float] = {}
+        request_id = uuid4().hex  # one id per tree: the whole subtree stays on one server's prefix cache
+        eos_token_ids = {self.tokenizer.eos_token_id}
         with simple_timer("generate_sequences", metrics):
-            tree = await sample_tree(
-                self.server_manager.generate,
-                request_id=uuid4().hex,  # one id per tree: the whole subtree stays on one server's prefix cache
-                prompt_ids=prompt_ids,
-                sampling_params=sampling_params,
-                branching=self.branching,
-                segment_budgets=self.segment_budgets,
-                response_length=self.response_length,
-                eos_token_ids={self.tokenizer.eos_token_id},
-                align_to_block=self.align_to_block,
-            )
+            if self.settings.branch_at == "cutpoint":
+                tree = await sample_cutpoint_tree(self.server_manager.generate, request_id, prompt_ids, sampling_params,
+                                                  self.settings.cutpoint, self.response_length, eos_token_ids)
+            else:
+                tree = await sample_tree(
+                    self.server_manager.generate,
+                    request_id=request_id,
+                    prompt_ids=prompt_ids,
+                    sampling_params=sampling_params,
+                    branching=self.settings.branching,
+                    segment_budgets=tree_segment_budgets(self.settings),
+                    response_length=self.response_length,
+                    eos_token_ids=eos_token_ids,
+                    align_to_block=self.settings.align_to_block,
+                )
         return tree, metrics
 
     def _leaf_output(self, tree: SampledTree, leaf: int, metrics: dict, trains: bool) -> AgentLoopOutput:

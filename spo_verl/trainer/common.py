@@ -118,6 +118,19 @@ def batch_metrics(context: SPOBatchContext, response_mask) -> dict[str, float]:
         metrics["spo/tree/generated_tokens"] = float(generated)
         metrics["spo/tree/independent_sample_tokens"] = float(independent)
         metrics["spo/tree/generated_over_independent"] = generated / max(independent, 1)
+        segments = [length for s in stats for length in s.get("segment_tokens", ())]
+        if segments:
+            metrics["spo/tree/segment_tokens_mean"] = float(np.mean(segments))
+        cutpoint_trees = [s for s in stats if "forks" in s]
+        if cutpoint_trees:
+            paths = sum(s["paths"] for s in cutpoint_trees)
+            positions = [p for s in cutpoint_trees for p in s["fork_positions"]]
+            metrics["spo/tree/paths_per_tree"] = paths / len(cutpoint_trees)
+            metrics["spo/tree/forks_per_response"] = sum(s["forks"] for s in cutpoint_trees) / max(paths, 1)
+            metrics["spo/tree/no_fork_fraction"] = float(np.mean([s["forks"] == 0 for s in cutpoint_trees]))
+            if positions:  # a fork's response offset over that response's length
+                metrics["spo/tree/fork_position_mean"] = float(np.mean(positions))
+            metrics["spo/tree/cutpoint_requests"] = float(sum(s["cutpoint_requests"] for s in cutpoint_trees))
     chains = [row for row in context.rows if isinstance(row, ChainRow) and row.chain is not None]
     if chains:
         stats = [row.chain for row in chains]

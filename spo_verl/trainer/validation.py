@@ -8,7 +8,7 @@ from typing import Any
 from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
 
 import spo_verl.register  # noqa: F401  (agent loops registered before they are looked up)
-from spo_verl.config import check_tree_fits, parse_spo_settings, tree_segment_budgets
+from spo_verl.config import check_cutpoint_tree_fits, check_tree_fits, parse_spo_settings, tree_segment_budgets
 from spo_verl.policy_loss import LOSS_NAME
 from spo_verl.trainer.common import SPO_AGENT_LOOPS, SPO_ESTIMATORS, TRAINER_MODE
 
@@ -52,7 +52,9 @@ def validate_spo_run(config: Any) -> None:
                 f"data.train_batch_size ({prompts}) to be a multiple of actor_rollout_ref.rollout.agent.num_workers "
                 f"({workers}): verl splits each batch into that many equal chunks and a prompt's sessions must stay in one"
             )
-    if estimator == "spo_tree":
+    if estimator == "spo_tree" and settings.tree.branch_at == "cutpoint":
+        check_cutpoint_tree_fits(settings.tree.cutpoint, rollout.n)
+    elif estimator == "spo_tree":
         check_tree_fits(settings.tree.branching, tree_segment_budgets(settings.tree), rollout.response_length, rollout.n,
                         settings.tree.align_to_block)
         warn_if_segments_split_blocks(settings.tree, rollout, config.trainer.get("device", "cuda"))
