@@ -155,7 +155,7 @@ case "$SETTING" in
     MODEL_PATH="${MODEL_PATH:-realtreetune/rho-1b-sft-GSM8K}"
     TRAIN_FILES="${TRAIN_FILES:-$DATA_DIR/gsm8k/train.parquet}"
     VAL_FILES="${VAL_FILES:-[$DATA_DIR/gsm8k/test.parquet]}"
-    if [[ "$ALGORITHM" == spo_tree ]]; then
+    if [[ "$ALGORITHM" == spo_tree* ]]; then
       # A tree returns a varying number of leaf rows: micro-batches by tokens.
       micro_batches=(actor_rollout_ref.actor.use_dynamic_bsz=true actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384)
     else
@@ -194,6 +194,10 @@ case "$SETTING" in
       actor_rollout_ref.rollout.max_model_len=256
       algorithm.spo.tree.branching=[3,3]
       algorithm.spo.tree.segment_tokens=[4]        # "a+b=" then the answer: siblings disagree
+      algorithm.spo.tree.cutpoint.responses=3      # spo_tree_cutpoint: at most 3 x (1 + 2) = 9 leaves, as 3-3
+      algorithm.spo.tree.cutpoint.max_forks=2
+      algorithm.spo.tree.cutpoint.width=1
+      algorithm.spo.tree.cutpoint.interval=1
       algorithm.spo.chain.cutpoint_interval=1
       algorithm.spo.chain.mc_samples=4
       actor_rollout_ref.actor.ppo_mini_batch_size=4
@@ -219,6 +223,10 @@ case "$SETTING" in
       actor_rollout_ref.rollout.n=4                  # grpo, grpo_prob_mask, spo_chain: 4 responses a prompt
       algorithm.spo.tree.branching=[2,2]           # spo_tree: 4 leaves a prompt, "a + b = s." shared by 2
       algorithm.spo.tree.segment_tokens=[10]
+      algorithm.spo.tree.cutpoint.responses=2      # spo_tree_cutpoint: at most 2 x (1 + 1) = 4 leaves, as 2-2
+      algorithm.spo.tree.cutpoint.max_forks=1
+      algorithm.spo.tree.cutpoint.width=1
+      algorithm.spo.tree.cutpoint.interval=5       # SPO-chain's cutpoints on this setting
       algorithm.spo.chain.cutpoint_interval=5      # the paper's GSM8K interval
       algorithm.spo.chain.mc_samples=4
       actor_rollout_ref.actor.ppo_mini_batch_size=2  # prompts: 2 optimizer steps per iteration

@@ -42,7 +42,7 @@ import psutil
 from spo_verl.metrics_log import read_logged_steps
 
 REPO = Path(__file__).resolve().parents[1]
-ALGORITHMS = ("spo_tree", "spo_chain", "grpo", "grpo_prob_mask")
+ALGORITHMS = ("spo_tree", "spo_chain", "grpo", "grpo_prob_mask", "spo_tree_cutpoint")
 SETTINGS = ("cpu-smollm2", "cpu-tiny", "gsm8k-rhomath-1.1b", "math-r1-1.5b")
 VALIDATION_KEY_PREFIX, VALIDATION_KEY_SUFFIX = "val-core/", "/acc/mean@1"
 GENERATED = "spo/generated_tokens"

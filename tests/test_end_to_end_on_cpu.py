@@ -37,7 +37,8 @@ REPO = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 900
 PARALLEL_RUNS = int(os.environ.get("SPO_E2E_PARALLEL", "3"))
 TRAIN_BATCH = 4  # prompts per step in the cpu-tiny setting
-TREE_LEAF_SLOTS = 9  # its tree is 3-3
+TREE_LEAF_SLOTS = 9  # its tree is 3-3; its cutpoint tree has at most 3 x (1 + 2) leaves
+RESPONSE_LENGTH = 32  # its data.max_response_length
 # fp32 actor and fp32 vLLM: after an update and a weight sync, rollout and actor probabilities of the
 # same tokens agree to float32 rounding (about 1e-6 measured); a stale or broken sync is off by >1e-2.
 SYNC_BOUND = 1e-4
@@ -70,7 +71,10 @@ CASES = [
     ("v1-grpo", "run_grpo.sh", None, CHECK, BUDGET_STOP),
     ("v1-grpo_prob_mask-bf16", "run_grpo.sh", "grpo_prob_mask", [*CHECK, *VERL_MIXED_PRECISION], []),
     ("v1-ppo", "run_grpo.sh", "ppo", CHECK, []),
-    ("legacy-spo_tree", "run_spo_tree.sh", None, ["trainer.use_v1=false", *CHECK], []),
+    ("v1-spo_tree_cutpoint", "run_spo_tree.sh", "spo_tree_cutpoint", CHECK, []),
+    # The legacy trainer's tree path (a leaf row per session, stand-in rows that train nothing) with a
+    # tree that forks at cutpoints: its unused slots are the stand-ins.
+    ("legacy-spo_tree_cutpoint", "run_spo_tree.sh", "spo_tree_cutpoint", ["trainer.use_v1=false", *CHECK], []),
     ("legacy-spo_chain", "run_spo_chain.sh", None, ["trainer.use_v1=false", *CHECK], BUDGET_STOP),
 ]
 
@@ -330,21 +334,32 @@ def test_trains_validates_checkpoints_and_resumes(runs, case_id):
     assert all(data["spo/generated_tokens"] > 0 for data in steps.values())
     assert steps[2]["spo/generated_tokens_cumulative"] == steps[1]["spo/generated_tokens"] + steps[2]["spo/generated_tokens"]
     last = steps[2]
-    if algorithm == "spo_tree":
+    if algorithm.startswith("spo_tree"):
         assert last["spo/generated_tokens"] == last["spo/tree/generated_tokens"]
         assert last["spo/tree/trees"] == TRAIN_BATCH
         assert 1 <= last["spo/tree/leaves_per_tree"] <= TREE_LEAF_SLOTS
+        assert 0 < last["spo/tree/generated_over_independent"] <= 1
+        assert any(0 < data["spo/trained_token_fraction"] <= 1 for data in steps.values())
+        assert 1 <= last["spo/tree/segment_tokens_mean"] <= RESPONSE_LENGTH
+    if algorithm == "spo_tree":
         # 3 depth-1 nodes, each either a leaf (early EOS) or the parent of 3 leaves.
         internal = last["spo/tree/nodes_per_tree"] - last["spo/tree/leaves_per_tree"]
         assert last["spo/tree/nodes_per_tree"] >= 3 and 0 <= internal <= 3
-        assert 0 < last["spo/tree/generated_over_independent"] <= 1
-        assert any(0 < data["spo/trained_token_fraction"] <= 1 for data in steps.values())
+    if algorithm == "spo_tree_cutpoint":
+        # 3 responses, each forking at most twice into one continuation: 3-9 paths, one leaf each.
+        for data in steps.values():
+            assert 3 <= data["spo/tree/paths_per_tree"] == data["spo/tree/leaves_per_tree"] <= TREE_LEAF_SLOTS
+            assert 0 <= data["spo/tree/forks_per_response"] <= 2
+            assert data["spo/tree/cutpoint_requests"] == 0  # T = 1, top-p 1: the sampler's log-probs decide
+        # Answers like "3+4=7" have uncertain digits: some response forks, inside its response.
+        assert any(data["spo/tree/forks_per_response"] > 0 for data in steps.values())
+        assert all(0 <= data["spo/tree/fork_position_mean"] < 1 for data in steps.values() if "spo/tree/fork_position_mean" in data)
     if algorithm == "spo_chain":
         assert last["spo/chain/boundaries_per_response"] > 0
         assert last["spo/chain/mc_continuations"] > 0 and last["spo/chain/mc_tokens"] > 0
         assert 0 <= last["spo/chain/boundary_value_min"] <= last["spo/chain/boundary_value_max"] <= 1
         assert last["spo/generated_tokens"] > last["spo/chain/mc_tokens"]
-    if algorithm in ("spo_tree", "spo_chain", "grpo_prob_mask"):
+    if algorithm in ("spo_tree", "spo_tree_cutpoint", "spo_chain", "grpo_prob_mask"):
         assert all(0 < data["spo/prob_mask/masked_fraction"] < 1 for data in steps.values())
     else:
         # Baselines: token counts, and what the packed forward and the old-log-prob probe report.

@@ -19,7 +19,7 @@ from spo_verl.trainer.validation import validate_spo_run
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE_CONFIG = str(REPO / "recipe" / "spo" / "config")
-ALGORITHMS = ["spo_tree", "spo_chain", "grpo", "grpo_prob_mask", "ppo"]
+ALGORITHMS = ["spo_tree", "spo_tree_cutpoint", "spo_chain", "grpo", "grpo_prob_mask", "ppo"]
 CLUSTER = [
     "trainer.n_gpus_per_node=8",
     "data.train_batch_size=32",
@@ -50,6 +50,7 @@ def test_each_algorithm_composes_and_passes_verls_validation(algorithm, tiny_mod
     assert actor.use_kl_loss and actor.kl_loss_coef == pytest.approx(1e-4)
     expected = {
         "spo_tree": ("spo_tree", "spo_tree", "spo_prob_mask", 216),
+        "spo_tree_cutpoint": ("spo_tree", "spo_tree", "spo_prob_mask", 20),
         "spo_chain": ("spo_chain", "spo_chain", "spo_prob_mask", 8),
         "grpo": ("grpo", "single_turn_agent", "vanilla", 8),
         "grpo_prob_mask": ("grpo", "single_turn_agent", "spo_prob_mask", 8),
@@ -171,17 +172,33 @@ def test_run_spo_tree_cfg_job_shows_the_algorithm_and_starts_nothing():
     assert "Started a local Ray instance" not in result.stderr
 
 
+def _flat(printed_lines: list[str]) -> dict[str, object]:
+    """A printed ``--cfg job`` configuration as dotted keys (interpolations unresolved)."""
+    flat = {}
+
+    def walk(node, prefix):
+        if isinstance(node, dict) and node:
+            for key, value in node.items():
+                walk(value, f"{prefix}.{key}" if prefix else str(key))
+        else:
+            flat[prefix] = node
+
+    walk(OmegaConf.to_container(OmegaConf.create("\n".join(printed_lines)), resolve=False), "")
+    return flat
+
+
 def test_grpo_differs_from_spo_tree_only_in_the_algorithm_parts():
-    tree = config_lines(run_script("run_spo_tree.sh", "--cfg", "job", EXPERIMENT_NAME="same", SETTING="math-r1-1.5b").stdout)
-    grpo = config_lines(run_script("run_grpo.sh", "--cfg", "job", EXPERIMENT_NAME="same", SETTING="math-r1-1.5b").stdout)
-    assert len(tree) == len(grpo) > 500
-    differing = [(a.strip(), b.strip()) for a, b in zip(tree, grpo) if a != b]
-    assert differing == [
-        ("loss_mode: spo_prob_mask", "loss_mode: vanilla"),
-        ("'n': ${spo_leaf_slots:${algorithm.spo.tree}}", "'n': 8"),
-        ("default_agent_loop: spo_tree", "default_agent_loop: single_turn_agent"),
-        ("adv_estimator: spo_tree", "adv_estimator: grpo"),
-    ]
+    tree = _flat(config_lines(run_script("run_spo_tree.sh", "--cfg", "job", EXPERIMENT_NAME="same", SETTING="math-r1-1.5b").stdout))
+    grpo = _flat(config_lines(run_script("run_grpo.sh", "--cfg", "job", EXPERIMENT_NAME="same", SETTING="math-r1-1.5b").stdout))
+    assert len(grpo) > 500
+    differing = {key: (tree.get(key), grpo.get(key)) for key in tree.keys() | grpo.keys() if tree.get(key) != grpo.get(key)}
+    assert differing == {
+        "actor_rollout_ref.actor.policy_loss.loss_mode": ("spo_prob_mask", "vanilla"),
+        "actor_rollout_ref.rollout.n": ("${spo_leaf_slots:${algorithm.spo.tree}}", 8),
+        "actor_rollout_ref.rollout.agent.default_agent_loop": ("spo_tree", "single_turn_agent"),
+        "algorithm.adv_estimator": ("spo_tree", "grpo"),
+        "algorithm.spo.tree.branch_at": ("fixed", None),  # the tree's own setting (spo_tree_cutpoint: cutpoint)
+    }
 
 
 def test_an_invalid_setting_stops_the_entry_point_before_ray_starts():
