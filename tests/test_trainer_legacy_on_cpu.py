@@ -62,7 +62,7 @@ def test_spo_column_reaches_the_estimator_and_narrows_the_loss_mask():
     # Row 3 shares node 2 with row 2, which trains it; zero-advantage and padding tokens stay out.
     assert out.batch["response_mask"].tolist() == [[1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1], [0, 0, 1, 0]]
     assert metrics["spo/generated_tokens"] == 9  # the rows' response tokens (a stand-in's mask is 0)
-    assert metrics["spo/trained_token_fraction"] == pytest.approx(7 / 9)
+    assert metrics["spo/trained_token_fraction"] == pytest.approx(7 / 9) and metrics["spo/trained_tokens"] == 7
     assert metrics["spo/tree/advantage_abs_mean/depth1"] == pytest.approx(0.25)
 
 

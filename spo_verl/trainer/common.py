@@ -152,5 +152,6 @@ def batch_metrics(context: SPOBatchContext, response_mask) -> dict[str, float]:
             metrics["spo/chain/boundary_value_max"] = float(np.max(values))
     if context.trained_mask is not None:
         response_tokens = float(response_mask.sum())
+        metrics["spo/trained_tokens"] = float(context.trained_mask.sum())
         metrics["spo/trained_token_fraction"] = float(context.trained_mask.sum()) / max(response_tokens, 1.0)
     return metrics
