@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import statistics
 
+import numpy as np
+
 from spo_verl.benchmarks.report import Report, table
 from spo_verl.benchmarks.rollout import BLOCK_SIZE, MAX_NUM_SEQS, Side
 from spo_verl.benchmarks.tree_rollout import LATENCY, THROUGHPUT, TreeResult, critical_path, training_rows, tree_unique_tokens, work
@@ -47,6 +49,18 @@ def _side_row(label: str, side: Side, analytic: int | None) -> list:
             _range(r["counts"].generated_tokens for r in side.rounds), "-" if analytic is None else f"{analytic:,}",
             f"{counts.cached_prompt_tokens:,} / {counts.computed_prompt_tokens:,}", _range(work(r["counts"]) for r in side.rounds),
             f"{tokens} / {requests}", *_engine_cells(side), _vllm_agrees(side)]
+
+
+def iteration_cost(results: list[TreeResult], regime: str) -> tuple[float, float] | None:
+    """Least-squares fit of an engine iteration's wall time against the work it holds, over every
+    round of both sides of the ``regime``'s cases: (fixed ms, ms per token of work)."""
+    points = [(work(r["counts"]) / r["engine"].iterations, r["seconds"] / r["engine"].iterations * 1e3)
+              for result in results if result.case.regime == regime for side in (result.tree, result.independent)
+              for r in side.rounds if r["engine"] is not None and r["engine"].iterations]
+    if len(points) < 2 or len({x for x, _ in points}) < 2:
+        return None
+    slope, intercept = np.polyfit([x for x, _ in points], [y for _, y in points], 1)
+    return float(intercept), float(slope)
 
 
 def tree_section(report: Report, results: list[TreeResult]) -> None:
@@ -102,6 +116,11 @@ def tree_section(report: Report, results: list[TreeResult]) -> None:
                                f"{grpo_training['tokens']:,} ({grpo_training['rows']} rows)", f"{unique:,}",
                                f"{tree_training['tokens'] / unique:.2f}x"])
     rounds = len(results[0].tree.rounds) if results else 0
+    fit = iteration_cost(results, THROUGHPUT)
+    fit_text = "" if fit is None else (
+        f"Over the throughput-bound cases' rounds an engine iteration cost {fit[0]:.1f} ms plus {fit[1]:.3f} ms per "
+        f"token of work (least squares): where the fixed part is most of an iteration, the wall time follows "
+        f"the iterations more than the work, and the wall / work column rises above 1.")
     report.add("1. Tree rollout against independent sampling, through verl's rollout path", f"""
 verl's `AgentLoopWorker.generate_sequences` (the code of verl's agent-loop workers, run in the benchmark's
 process) with verl's `LLMServerClient` in front of one standalone verl `vLLMReplica` on vLLM's CPU backend
@@ -140,6 +159,8 @@ Tree / independent, the median over rounds of the per-round ratios (wall: smalle
 brackets), and every round's wall ratio:
 
 {table(["case", "wall", "work", "generated tokens", "wall / work", "wall ratio per round"], ratio_rows)}
+
+{fit_text}
 
 Latency-bound cases: what a tree's extra requests explain. Each segment after the first on its longest
 path costs a request round trip (the median of seven one-token requests on the idle server through
