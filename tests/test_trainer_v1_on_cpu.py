@@ -143,11 +143,17 @@ def test_actor_update_gets_only_rows_that_train_something(transfer_queue, monkey
     from verl.trainer.ppo.padding_utils import upsample_batch_to_divisible_size
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
-    outputs = [leaf([1 + i // 3, 4 + i], [2, 5], r, {"tree_id": "tree2"}) for i, r in enumerate(PAPER_LEAF_REWARDS)]
+    # Leaves of 5 tokens but the first of 7: verl's padding rows are built from the first row.
+    outputs = [leaf([1 + i // 3, 4 + i], [2, 7 if i == 0 else 5], r, {"tree_id": "tree2"}, length=7 if i == 0 else 5)
+               for i, r in enumerate(PAPER_LEAF_REWARDS)]
     stored = store(outputs, lambda s: "tree2")
     spo_trainer = trainer()
     batch = spo_trainer._compute_advantage(stored, {})  # what verl's step hands on to the actor update
     assert batch.keys == stored.keys
+    # verl's bypass mode: the rollout's log-probs become the old log-probs before the update.
+    rollout = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["rollout_log_probs"])
+    tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
+                    fields=TensorDict({"old_log_probs": rollout["rollout_log_probs"]}, batch_size=len(batch)))
     updated = {}
 
     def verl_update(self, update, metrics):
@@ -165,6 +171,15 @@ def test_actor_update_gets_only_rows_that_train_something(transfer_queue, monkey
     assert updated["keys"][:5] == trained_rows and len(updated["keys"]) == 8
     assert all(key.startswith("pad") for key in updated["keys"][5:])
     assert metrics["spo/actor_update_rows"] == 5 and metrics["spo/actor_skipped_rows"] == 4
+    # Every row verl's loss reads has one length across its per-token fields: a padding row's are one
+    # token (a 7-token copy would widen old_log_probs past response_mask in a micro-batch of short rows).
+    fields = ["response_mask", "old_log_probs", "advantages"]
+    update_rows = tq.kv_batch_get(keys=updated["keys"], partition_id=batch.partition_id, select_fields=fields)
+    lengths = {name: update_rows[name].offsets().diff().tolist() for name in fields}
+    assert lengths["response_mask"] == lengths["old_log_probs"] == lengths["advantages"] == [7, 5, 5, 5, 5, 1, 1, 1]
+    short = tq.kv_batch_get(keys=updated["keys"][1:], partition_id=batch.partition_id, select_fields=fields).to_padded_tensor()
+    assert {short[name].shape[1] for name in fields} == {5}
+    assert float(short["old_log_probs"][-1].abs().sum()) == 0 and float(short["advantages"][-1].abs().sum()) == 0
     # Everything, padding included, goes back to verl for metrics and TransferQueue cleanup.
     assert returned.keys == batch.keys + updated["keys"][5:]
 

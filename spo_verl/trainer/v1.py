@@ -22,6 +22,7 @@ Registered as the v1 trainer mode ``spo`` (``trainer.v1.trainer_mode=spo``); it 
 
 from __future__ import annotations
 
+import torch
 import transfer_queue as tq
 from omegaconf import open_dict
 from tensordict import TensorDict
@@ -50,6 +51,10 @@ from spo_verl.trainer.tree_balance import balance_keeping_trees
 # which rounds every step's generation up to the next 2 s: about 1 s a step lost on average, 7 % of a
 # packed CPU step. A check costs one metadata read from TransferQueue.
 ROLLOUT_POLL_S = 0.25
+#: Per-response-token fields written after the rollout (the advantage step, old and reference
+#: log-probs, values, rollout-correction weights). verl's padding rows copy every field of a real row
+#: and reset only the rollout's own to one token; padded this late, the rest keep that row's length.
+LATE_TOKEN_FIELDS = ("old_log_probs", "advantages", "returns", "ref_log_prob", "values", "rollout_is_weights")
 
 
 def lift_spo_metrics(metrics: dict) -> None:
@@ -183,6 +188,7 @@ class SPOTrainer(PPOTrainerSync):
             extra_info=dict(batch.extra_info),
         )
         update = self._balance_batch(update, metrics, logging_prefix="spo/actor_update_seqlen")
+        _fit_padding_rows(update, known=set(batch.keys))
         update = super()._update_actor(update, metrics)
         lift_spo_metrics(metrics)
         # Padding rows added for the update live in TransferQueue too: hand them back for cleanup.
@@ -194,3 +200,18 @@ class SPOTrainer(PPOTrainerSync):
             tags=batch.tags + [tag for _, tag in added],
             extra_info=batch.extra_info,
         )
+
+
+def _fit_padding_rows(update: KVBatchMeta, known: set) -> None:
+    """Give the padding rows verl added to ``update`` one token of each late per-token field (zeros,
+    as verl's padding does for the rollout's fields), so that a micro-batch's fields pad to one width."""
+    added = [key for key, tag in zip(update.keys, update.tags) if key not in known and tag.get("is_padding", False)]
+    if not added:
+        return
+    sample = tq.kv_batch_get(keys=added[:1], partition_id=update.partition_id)[0]
+    present = [name for name in LATE_TOKEN_FIELDS if name in sample.keys()]
+    if not present:
+        return
+    fields = {name: torch.nested.as_nested_tensor([torch.zeros(1, dtype=sample[name].dtype)] * len(added),
+                                                  layout=torch.jagged) for name in present}
+    tq.kv_batch_put(keys=added, partition_id=update.partition_id, fields=TensorDict(fields, batch_size=len(added)))
