@@ -160,6 +160,19 @@ def test_generated_tokens_prefer_the_runs_own_count():
     assert generated_tokens({"critic/score/mean": 0.5}) is None
 
 
+def test_the_algorithm_is_told_from_the_sample_log_or_the_metrics():
+    from spo_verl.report.runs import algorithm_of
+
+    tree = {1: {"spo/tree/trees": 4.0}}
+    cutpoint = {1: {"spo/tree/trees": 4.0, "spo/tree/paths_per_tree": 3.0}}
+    assert algorithm_of(tree, []) == "spo_tree" and algorithm_of(cutpoint, []) == "spo_tree_cutpoint"
+    logged = [{"algorithm": "spo_tree", "loss_mode": "spo_prob_mask"}]
+    assert algorithm_of(tree, logged) == "spo_tree" and algorithm_of(cutpoint, logged) == "spo_tree_cutpoint"
+    assert algorithm_of({1: {}}, [{"algorithm": "grpo", "loss_mode": "spo_prob_mask"}]) == "grpo_prob_mask"
+    assert algorithm_of({1: {"spo/chain/mc_tokens": 9.0}}, []) == "spo_chain"
+    assert algorithm_of({1: {"critic/vf_loss": 0.1}}, []) == "ppo" and algorithm_of({1: {}}, []) == "grpo"
+
+
 def test_every_plot_and_table_is_written(recorded_runs):
     for name in OUTPUTS:
         assert (recorded_runs / name).stat().st_size > 0, name

@@ -108,19 +108,26 @@ def generated_tokens(data: dict) -> float | None:
     return tokens
 
 
+#: Logged by trees that fork at cutpoints only (spo_verl.trainer.common.batch_metrics).
+CUTPOINT_TREE_KEY = "spo/tree/paths_per_tree"
+
+
 def algorithm_of(steps: dict[int, dict], samples: list[dict]) -> str:
-    """The recipe's algorithm name: from the sample log when there is one, else from the metrics."""
+    """The recipe's algorithm name: from the sample log when there is one, else from the metrics. A
+    tree that forks at cutpoints is told apart by its fork metrics."""
     keys = {k for data in steps.values() for k in data}
     if samples:
         estimator, loss_mode = samples[-1].get("algorithm", "unknown"), samples[-1].get("loss_mode")
-        return "grpo_prob_mask" if estimator == "grpo" and loss_mode == "spo_prob_mask" else estimator
-    if any(k.startswith("spo/tree/") for k in keys):
-        return "spo_tree"
-    if any(k.startswith("spo/chain/") for k in keys):
-        return "spo_chain"
-    if any(k.startswith("spo/prob_mask/") for k in keys):
-        return "grpo_prob_mask"
-    return "ppo" if any(k.startswith("critic/vf_") for k in keys) else "grpo"
+        name = "grpo_prob_mask" if estimator == "grpo" and loss_mode == "spo_prob_mask" else estimator
+    elif any(k.startswith("spo/tree/") for k in keys):
+        name = "spo_tree"
+    elif any(k.startswith("spo/chain/") for k in keys):
+        name = "spo_chain"
+    elif any(k.startswith("spo/prob_mask/") for k in keys):
+        name = "grpo_prob_mask"
+    else:
+        name = "ppo" if any(k.startswith("critic/vf_") for k in keys) else "grpo"
+    return "spo_tree_cutpoint" if name == "spo_tree" and CUTPOINT_TREE_KEY in keys else name
 
 
 def step_rows(steps: dict[int, dict], key: str | None) -> list[StepRow]:
