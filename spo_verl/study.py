@@ -74,7 +74,8 @@ class Study:
 
 
 # --quick: the whole pipeline on the tiny model in minutes (CI); the defaults: the CPU default's study.
-QUICK = dict(setting="cpu-tiny", algorithms=("spo_tree",), seeds=(0,), token_budget=500, max_steps=3, val_every=1)
+QUICK = dict(setting="cpu-tiny", algorithms=("spo_tree", "spo_tree_cutpoint"), seeds=(0,), token_budget=500, max_steps=3,
+             val_every=1)
 DEFAULTS = dict(setting="cpu-smollm2", algorithms=ALGORITHMS, seeds=(0, 1, 2), token_budget=8_000, max_steps=30,
                 val_every=5)
 # What the study trains with on a setting unless told otherwise (elsewhere: the setting's own values).

@@ -446,9 +446,15 @@ def test_study_resumes_a_killed_run_and_skips_a_finished_one(runs):
                 if (m := re.match(r"compare: spo_tree/seed0 +step +(\d+)", line))}
     assert progress == set(second)
     assert "compare: spo_tree/seed0: done:" in resumed_log
+    # The quick study's second algorithm, the tree that forks at cutpoints, after the first.
+    assert "compare: spo_tree_cutpoint/seed0: done:" in resumed_log
+    cutpoint = json.loads((study.folder.parents[1] / "spo_tree_cutpoint" / "seed0" / "done.json").read_text())
+    assert cutpoint["steps"] >= 1 and cutpoint["generated_tokens"] > 0
     # A third time: nothing left to train.
     assert study.again.returncode == 0, study.again.failure()
-    assert "compare: spo_tree/seed0: finished earlier, skipped" in study.again.log.read_text()
+    again_log = study.again.log.read_text()
+    assert "compare: spo_tree/seed0: finished earlier, skipped" in again_log
+    assert "compare: spo_tree_cutpoint/seed0: finished earlier, skipped" in again_log
     report = study.folder.parents[1] / "report"
     for name in ("accuracy_vs_step.png", "accuracy_vs_generated_tokens.png", "accuracy_vs_wall_time.png",
                  "reward_vs_step.png", "reward_vs_generated_tokens.png", "reward_vs_wall_time.png", "results.csv",

@@ -53,7 +53,7 @@ def test_a_run_resumes_from_its_last_checkpoint_whose_steps_were_logged(tmp_path
 
 def test_options_and_their_errors(capsys):
     quick = study.parse_args(["--quick"])
-    assert (quick.setting, quick.algorithms, quick.seeds, quick.token_budget) == ("cpu-tiny", ("spo_tree",), (0,), 500)
+    assert (quick.setting, quick.algorithms, quick.seeds, quick.token_budget) == ("cpu-tiny", ("spo_tree", "spo_tree_cutpoint"), (0,), 500)
     full = study.parse_args(["--seeds", "3,4", "--lr", "1e-5", "--token-budget", "9000", "--", "data.train_batch_size=8"])
     assert full.setting == "cpu-smollm2" and full.algorithms == study.ALGORITHMS and full.seeds == (3, 4)
     assert full.lr == 1e-5 and full.token_budget == 9000 and full.overrides == ("data.train_batch_size=8",)
