@@ -82,6 +82,25 @@ def test_analytic_counts():
     assert paper["spo_tree_rows"] == 356_400 and paper["unique"] == 90_150  # the paper setting: 6-6-6 trees, 30 prompts a step (spo_verl/benchmarks/tokens.py)
 
 
+def test_an_engine_iterations_cost_is_fitted_against_its_work():
+    """Rounds whose iterations cost exactly 10 ms plus 0.1 ms per token of work give back (10, 0.1)."""
+    from spo_verl.benchmarks.rollout import Counts, EngineStats, Side
+    from spo_verl.benchmarks.timing import Comparison
+    from spo_verl.benchmarks.tree_rollout import THROUGHPUT, TreeResult
+    from spo_verl.benchmarks.tree_rollout_report import iteration_cost
+
+    def side(points):  # (generated tokens, iterations) per round, no prompt tokens computed
+        rounds = [{"seconds": iterations * (10 + 0.1 * generated / iterations) / 1e3, "counts": Counts(1, 0, 0, generated),
+                   "engine": EngineStats(iterations, 0.0, 0, None), "output": None} for generated, iterations in points]
+        return Side("s", None, None, [], 1, rounds)
+
+    case = TreeCase("2-2", (32,), 96, 8, THROUGHPUT)
+    result = TreeResult(case, Comparison(), side([(1000, 100), (3000, 100)]), side([(5000, 50)]), 0.01)
+    fixed, per_token = iteration_cost([result], THROUGHPUT)
+    assert fixed == pytest.approx(10.0) and per_token == pytest.approx(0.1)
+    assert iteration_cost([result], LATENCY) is None  # no latency-bound case here
+
+
 @in_session_loop
 async def test_tree_rollout_generates_its_analytic_count_through_verls_worker(verl_server, tiny_model):
     model_dir = tiny_model[0]
