@@ -38,7 +38,6 @@ RUN_TIMEOUT_S = 900
 PARALLEL_RUNS = int(os.environ.get("SPO_E2E_PARALLEL", "3"))
 TRAIN_BATCH = 4  # prompts per step in the cpu-tiny setting
 TREE_LEAF_SLOTS = 9  # its tree is 3-3; its cutpoint tree has at most 3 x (1 + 2) leaves
-RESPONSE_LENGTH = 32  # its data.max_response_length
 # fp32 actor and fp32 vLLM: after an update and a weight sync, rollout and actor probabilities of the
 # same tokens agree to float32 rounding (about 1e-6 measured); a stale or broken sync is off by >1e-2.
 SYNC_BOUND = 1e-4
@@ -340,11 +339,14 @@ def test_trains_validates_checkpoints_and_resumes(runs, case_id):
         assert 1 <= last["spo/tree/leaves_per_tree"] <= TREE_LEAF_SLOTS
         assert 0 < last["spo/tree/generated_over_independent"] <= 1
         assert any(0 < data["spo/trained_token_fraction"] <= 1 for data in steps.values())
-        assert 1 <= last["spo/tree/segment_tokens_mean"] <= RESPONSE_LENGTH
+        # The mean segment is the tree's generated tokens over its nodes (every node generated once).
+        nodes = last["spo/tree/nodes_per_tree"] * last["spo/tree/trees"]
+        assert last["spo/tree/segment_tokens_mean"] == pytest.approx(last["spo/tree/generated_tokens"] / nodes)
     if algorithm == "spo_tree":
         # 3 depth-1 nodes, each either a leaf (early EOS) or the parent of 3 leaves.
         internal = last["spo/tree/nodes_per_tree"] - last["spo/tree/leaves_per_tree"]
         assert last["spo/tree/nodes_per_tree"] >= 3 and 0 <= internal <= 3
+        assert last["spo/tree/leaves_per_tree"] == 3 + 2 * internal  # an internal node's 3 leaves replace it
     if algorithm == "spo_tree_cutpoint":
         # 3 responses, each forking at most twice into one continuation: 3-9 paths, one leaf each.
         for data in steps.values():
