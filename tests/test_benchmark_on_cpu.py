@@ -12,6 +12,7 @@ from spo_verl.benchmarks import cli, tokens, tree_rollout
 from spo_verl.benchmarks.report import Report, header, render
 from spo_verl.benchmarks.tree_rollout import LATENCY, TreeCase
 from spo_verl.benchmarks.tree_rollout_report import tree_section
+from spo_verl.rollout.tree import aligned_budgets
 
 in_session_loop = pytest.mark.asyncio(loop_scope="session")  # the server's client lives there
 
@@ -75,8 +76,8 @@ def test_analytic_counts():
     assert tree_rollout.analytic_tree_tokens((6, 6, 6), (8, 8), 32) == 6 * 8 + 36 * 8 + 216 * 16
     # Aligned to 16-token blocks, a 37-token prompt's first segment grows to 28 (37 + 28 = 4 * 16 + 1);
     # the second, a whole number of blocks, keeps the alignment.
-    assert tree_rollout.aligned_budgets(37, (16, 32), 16) == (28, 32)
-    assert tree_rollout.aligned_budgets(37, (16, 32), None) == (16, 32)
+    assert aligned_budgets(37, (16, 32), 16) == (28, 32)
+    assert aligned_budgets(37, (16, 32), None) == (16, 32)
     assert tree_rollout.analytic_tree_tokens((6, 6, 6), (28, 32), 96) == 6 * 28 + 36 * 32 + 216 * 36
     paper = tokens.paper_counts()
     assert paper["spo_tree_rows"] == 356_400 and paper["unique"] == 90_150  # the paper setting: 6-6-6 trees, 30 prompts a step (spo_verl/benchmarks/tokens.py)

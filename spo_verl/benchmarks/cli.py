@@ -23,6 +23,7 @@ from spo_verl.benchmarks import maths, rollout, tokens, tree_rollout
 from spo_verl.benchmarks.report import Report, header, render, table
 from spo_verl.benchmarks.timing import compare, measure_memory_case, memory_report
 from spo_verl.benchmarks.tree_rollout_report import tree_section
+from spo_verl.rollout.tree import aligned_budgets
 
 ESTIMATOR_TARGET = 3.0
 LOSS_TARGET = 1.1
@@ -248,7 +249,7 @@ are dropped), which only helps when whole leaves have nothing to train.
         unique = tree_rollout.tree_unique_tokens(output)
         analytic = 0
         for prompt in tree_rollout.tree_prompt_lengths(output):
-            budgets = tree_rollout.aligned_budgets(prompt, case.budgets, case.align_to_block)
+            budgets = aligned_budgets(prompt, case.budgets, case.align_to_block)
             analytic += tokens.per_leaf_row_tokens(prompt, case.branching, (*budgets, case.response_length - sum(budgets)))
         text += (f"\nMeasured on the CPU `spo_tree` rollout of section 1 ({case.regime}, {case.label}): {tree_tokens:,} row "
                  f"tokens for {unique:,} unique tokens ({tree_tokens / unique:.2f}x); analytic for its prompts and shape: "

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from spo_verl.benchmarks.rollout import (BLOCK_SIZE, Counts, Side, agent_config, alternating_rounds, make_side,
                                          numbered_prompts)
 from spo_verl.benchmarks.timing import Comparison
-from spo_verl.rollout.tree import block_aligned_budget
+from spo_verl.rollout.tree import aligned_budgets
 
 LATENCY, THROUGHPUT = "latency-bound", "throughput-bound"
 SHAPES = {"2-2": (2, 2), "4-4": (4, 4), "6-6-6": (6, 6, 6)}
@@ -72,16 +72,6 @@ CASES = (
     TreeCase("4-4", (32,), 96, 16, THROUGHPUT, full_length=False, align_to_block=BLOCK_SIZE),
 )
 QUICK_CASES = (TreeCase("2-2", (16,), 32, 1, LATENCY),)
-
-
-def aligned_budgets(prompt_length: int, budgets, block: int | None) -> tuple[int, ...]:
-    """The budgets the tree loop uses for one prompt (``spo_verl.rollout.tree.sample_tree``)."""
-    result, prefix = [], prompt_length
-    for budget in budgets:
-        budget = block_aligned_budget(prefix, budget, block) if block else budget
-        result.append(budget)
-        prefix += budget
-    return tuple(result)
 
 
 def analytic_tree_tokens(branching, budgets, response_length: int) -> int:

@@ -103,6 +103,18 @@ def block_aligned_budget(prefix_length: int, budget: int, block: int) -> int:
     return budget + (1 - prefix_length - budget) % block
 
 
+def aligned_budgets(prompt_length: int, budgets: Sequence[int], block: int | None) -> tuple[int, ...]:
+    """The budget of every depth but the last for a prompt of ``prompt_length`` tokens: ``budgets``,
+    or with ``block`` each grown by :func:`block_aligned_budget` (every live node of a depth has the
+    same prefix length, its depth's budgets above it)."""
+    result, prefix = [], prompt_length
+    for budget in budgets:
+        budget = block_aligned_budget(prefix, budget, block) if block else budget
+        result.append(budget)
+        prefix += budget
+    return tuple(result)
+
+
 async def sample_tree(
     generate: Generate,
     request_id: str,
@@ -115,8 +127,8 @@ async def sample_tree(
     align_to_block: int | None = None,
 ) -> SampledTree:
     """Expand the tree: each live node at depth d gets ``branching[d]`` children of at most
-    ``segment_budgets[d]`` tokens (with ``align_to_block``, :func:`block_aligned_budget` of it); the
-    last depth runs to EOS or the response-length limit.
+    ``segment_budgets[d]`` tokens (with ``align_to_block``, :func:`aligned_budgets`); the last depth
+    runs to EOS or the response-length limit.
 
     One task per child: a child's own children are requested as soon as its segment is done, so a
     slow sibling holds up nobody's subtree but its own. Node ids are given when a node is requested
@@ -127,6 +139,7 @@ async def sample_tree(
     tree = SampledTree(
         prompt_ids=list(prompt_ids), branching=tuple(branching), nodes=[TreeNode(ROOT, -1, 0)], tree_id=request_id
     )
+    budgets = aligned_budgets(len(tree.prompt_ids), segment_budgets, align_to_block)
 
     async def grow(node: TreeNode, prefix: list[int], params: dict, is_last: bool) -> None:
         output = await generate(request_id, prompt_ids=tree.prompt_ids + prefix, sampling_params=params)
@@ -143,12 +156,7 @@ async def sample_tree(
         depth = tree.nodes[parent].depth
         is_last = depth == len(branching) - 1
         remaining = response_length - len(prefix)
-        budget = remaining
-        if not is_last:
-            budget = segment_budgets[depth]
-            if align_to_block:
-                budget = block_aligned_budget(len(tree.prompt_ids) + len(prefix), budget, align_to_block)
-        params = {**sampling_params, "max_tokens": min(budget, remaining)}
+        params = {**sampling_params, "max_tokens": remaining if is_last else min(budgets[depth], remaining)}
         children = []
         for _ in range(branching[depth]):
             child = TreeNode(len(tree.nodes), parent, depth + 1)

@@ -82,12 +82,12 @@ def warn_if_segments_split_blocks(tree: Any, rollout: Any, device: str) -> None:
         logger.warning("algorithm.spo.tree.align_to_block=%s differs from the rollout engine's KV-cache block size %s "
                        "(actor_rollout_ref.rollout.engine_kwargs.vllm.block_size): children will recompute up to a block "
                        "of their prefix", tree.align_to_block, block)
-    short = [budget for budget in tree_segment_budgets(tree) if budget < block]
-    if short and not tree.align_to_block:
+    budgets = list(tree_segment_budgets(tree))
+    if not tree.align_to_block and any(budget < block for budget in budgets):
         logger.warning("algorithm.spo.tree.segment_tokens %s has segments shorter than the rollout engine's KV-cache "
                        "block (%s tokens): each child recomputes up to a block of its prefix, about as many tokens as its "
                        "segment generates. Longer segments or algorithm.spo.tree.align_to_block=%s cut that to one token",
-                       list(tree_segment_budgets(tree)), block, block)
+                       budgets, block, block)
 
 
 def check_rollout_log_probs_as_old(config: Any) -> None:
