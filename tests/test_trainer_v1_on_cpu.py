@@ -104,6 +104,7 @@ def test_paper_tree_through_transfer_queue(transfer_queue):
     assert metrics["spo/tree/advantage_abs_mean/depth1"] == pytest.approx((1 / 9 + 4 / 9 + 5 / 9) / 3)
     assert metrics["spo/tree/zero_advantage_fraction/depth2"] == pytest.approx(6 / 9)
     assert metrics["spo/tree/generated_over_independent"] == pytest.approx(33 / 45)
+    assert metrics["spo/tree/segment_tokens_mean"] == pytest.approx(33 / 12)  # 33 tokens over 12 nodes
     assert metrics["spo/trained_token_fraction"] == pytest.approx(15 / 45) and metrics["spo/trained_tokens"] == 15
     # Each node generated once (33 tokens), not the 45 of the leaf rows; the padding row adds nothing.
     assert metrics["spo/generated_tokens"] == metrics["spo/tree/generated_tokens"] == 33

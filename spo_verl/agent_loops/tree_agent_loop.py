@@ -59,7 +59,6 @@ def tree_statistics(tree: SampledTree) -> dict[str, Any]:
         "early_stops_per_depth": early_stops,
         "generated_tokens": generated,
         "independent_sample_tokens": independent,
-        "segment_tokens": [len(node.token_ids) for node in segments],
     }
     if isinstance(tree, CutpointTree):
         statistics.update({

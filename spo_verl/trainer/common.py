@@ -118,9 +118,8 @@ def batch_metrics(context: SPOBatchContext, response_mask) -> dict[str, float]:
         metrics["spo/tree/generated_tokens"] = float(generated)
         metrics["spo/tree/independent_sample_tokens"] = float(independent)
         metrics["spo/tree/generated_over_independent"] = generated / max(independent, 1)
-        segments = [length for s in stats for length in s.get("segment_tokens", ())]
-        if segments:
-            metrics["spo/tree/segment_tokens_mean"] = float(np.mean(segments))
+        # Every node is one segment, generated once.
+        metrics["spo/tree/segment_tokens_mean"] = generated / max(sum(s["nodes"] for s in stats), 1)
         cutpoint_trees = [s for s in stats if "forks" in s]
         if cutpoint_trees:
             paths = sum(s["paths"] for s in cutpoint_trees)
