@@ -82,6 +82,44 @@ def test_the_data_is_two_step_arithmetic_scored_by_verls_gsm8k_reward(built):
     assert default_compute_score("openai/gsm8k", truth, truth) == 0.0
 
 
+def test_another_task_has_its_own_data_and_examples_next_to_the_one_model(built):
+    other = cpu_smollm2.build(built["folder"], "add_add")
+    assert other["model"] == str(built["model_dir"])
+    assert Path(other["train_files"]) == built["folder"].resolve() / "tasks" / "add_add" / "data" / "train.parquet"
+    train = pd.read_parquet(other["train_files"])
+    assert len(train) == cpu_smollm2.TRAIN_PROBLEMS
+    for _, row in train.iterrows():
+        first, second, third = (int(x) for x in row["extra_info"]["question"][len("What is "):-1].split(" + "))
+        assert row["reward_model"]["ground_truth"] == str(first + second + third)
+        assert list(row["prompt"])[1]["content"] == "3 + 4 = 7. 7 + 2 = 9.\n#### 9"  # the task's own worked example
+    held_out = pd.read_parquet(cpu_smollm2.study_val_files(built["folder"], "add_add"))
+    assert len(held_out) == 256 and not ({i["question"] for i in held_out["extra_info"]}
+                                         & {i["question"] for i in train["extra_info"]})
+    # The default task's data is untouched.
+    assert pd.read_parquet(built["train_files"]).iloc[0]["extra_info"]["question"].count(" - ") == 1
+    with pytest.raises(ValueError, match="SMOLLM2_TASK='add_mul' is not a task of the cpu-smollm2 setting; allowed: add_sub, "):
+        cpu_smollm2.build(built["folder"], "add_mul")
+
+
+@pytest.mark.parametrize("task", ["add_add", "add_mul"])
+def test_the_run_scripts_take_the_task_from_smollm2_task(built, task):
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHON": sys.executable, "SETTING": "cpu-smollm2", "SMOLLM2_TASK": task,
+           "SPO_SMOLLM2_CACHE": str(built["folder"])}
+    result = subprocess.run(["bash", str(repo / "scripts" / "run_grpo.sh"), "--cfg", "job"], env=env,
+                            capture_output=True, text=True, timeout=300, cwd="/")
+    if task == "add_add":
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert f"train_files: {built['folder'].resolve()}/tasks/add_add/data/train.parquet" in result.stdout
+    else:  # refused before anything starts, naming the allowed tasks
+        assert result.returncode != 0 and "invalid choice: 'add_mul'" in result.stderr and "add_add" in result.stderr
+        assert "Started a local Ray instance" not in result.stderr
+
+
 def test_a_second_build_reuses_the_cache(built, monkeypatch):
     monkeypatch.setattr(cpu_smollm2, "convert", lambda *_: pytest.fail("converted again"))
     assert cpu_smollm2.build(built["model_dir"].parent)["model"] == str(built["model_dir"])

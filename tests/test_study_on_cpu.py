@@ -62,7 +62,8 @@ def test_options_and_their_errors(capsys):
     assert full.training_overrides() == ["actor_rollout_ref.actor.optim.lr=1e-05", "data.train_batch_size=8",
                                          "actor_rollout_ref.actor.ppo_mini_batch_size=4", "data.train_batch_size=8"]
     default = study.parse_args([])
-    assert (default.lr, default.prompts_per_step, default.token_budget) == (1e-5, 8, 8000)
+    assert (default.lr, default.prompts_per_step, default.token_budget, default.task) == (1e-5, 8, 8000, None)
+    assert study.parse_args(["--task", "add_add"]).task == "add_add"
     assert study.parse_args(["--setting", "cpu-tiny", "--prompts-per-step", "6"]).training_overrides() == [
         "data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=3"]
     assert quick.training_overrides() == []  # cpu-tiny: the setting's own lr and batch
@@ -70,7 +71,9 @@ def test_options_and_their_errors(capsys):
                           (["--token-budget", "0"], "--token-budget must be a positive integer, got 0"),
                           (["--lr", "-1"], "--lr must be positive"),
                           (["--prompts-per-step", "5"], "--prompts-per-step must be an even number of at least 2"),
-                          (["--setting", "laptop"], "invalid choice: 'laptop'")]:
+                          (["--setting", "laptop"], "invalid choice: 'laptop'"),
+                          (["--task", "add_mul"], "--task must be one of add_sub,add_sub_add,add_add,mul_add, got 'add_mul'"),
+                          (["--quick", "--task", "add_add"], "--task picks a task of the cpu-smollm2 setting, not of cpu-tiny")]:
         with pytest.raises(SystemExit):
             study.parse_args(argv)
         assert message in capsys.readouterr().err
