@@ -8,7 +8,8 @@ arithmetic word problems, built locally into a cache folder (nothing from the mo
   ``<|im_start|>`` as its end-of-sequence token; the chat template ends a turn with ``<|im_end|>``,
   which is what the model emits, so the folder's tokenizer says so (and pads with it, as the
   released SmolLM2 tokenizer does).
-* Data: two-step arithmetic, "What is a + b - c?", with the answer after ``####`` and
+* Data: two-step arithmetic, "What is a + b - c?" (other tasks below, ``--task`` / ``SMOLLM2_TASK``),
+  with the answer after ``####`` and
   ``data_source`` ``openai/gsm8k``, so verl's own GSM8K reward scores it (1 for the right number
   after ``#### ``, else 0). Two worked examples come first as earlier chat turns, which is how an
   instruct model learns an answer format best. Chosen by measuring the base model (sampled at
@@ -17,7 +18,7 @@ arithmetic word problems, built locally into a cache folder (nothing from the mo
   ("Sam has a apples, gets b more, gives away c") 5 %; one-step sums with two examples 75 %. So
   samples of one problem disagree often: GRPO's and SPO's advantages are rarely all zero.
 
-    python -m spo_verl.cpu_settings.smollm2 --output-dir ~/.cache/spo-verl/cpu-smollm2   # prints the paths
+    python -m spo_verl.cpu_settings.smollm2 --output-dir ~/.cache/spo-verl/cpu-smollm2 [--task add_add]   # prints the paths
 """
 
 from __future__ import annotations
