@@ -253,10 +253,9 @@ def run_one(study: Study, algorithm: str, seed: int) -> bool:
     if study.setting == "cpu-smollm2":  # the study's held-out set: 256 problems (the run scripts use 64 of them)
         from spo_verl.cpu_settings import smollm2 as cpu_smollm2
 
-        cache = os.environ.get("SPO_SMOLLM2_CACHE", str(Path.home() / ".cache" / "spo-verl" / "cpu-smollm2"))
         task = study.task or cpu_smollm2.DEFAULT_TASK
         env["SMOLLM2_TASK"] = task
-        env.setdefault("VAL_FILES", cpu_smollm2.study_val_files(cache, task))
+        env.setdefault("VAL_FILES", cpu_smollm2.study_val_files(cpu_smollm2.default_cache(), task))
     command = [
         "bash", str(REPO / "scripts" / "spo_launch.sh"),
         f"algorithm.spo.generated_token_budget={remaining}",

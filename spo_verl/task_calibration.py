@@ -2,7 +2,7 @@
 any training: the first step of choosing a task on which learning can show (a task the model already
 solves leaves no headroom; one it never solves gives GRPO and SPO no signal).
 
-    python -m spo_verl.task_calibration [--tasks add_sub,add_sub_add,mul_add] [--problems 256] [--samples 4]
+    python -m spo_verl.task_calibration [--tasks add_sub,add_sub_add,add_add,mul_add] [--problems 256] [--samples 4]
 
 For each task of ``spo_verl.cpu_settings.smollm2.TASKS``: held-out-style problems (the data's held-out seed),
 the prompt the training data uses (worked examples as earlier chat turns), vLLM on the CPU with the
@@ -73,16 +73,17 @@ def measure(tasks: list[str], count: int, samples: int, cache: Path) -> dict:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tasks", default="add_sub,add_sub_add,mul_add")
+    parser.add_argument("--tasks", default="add_sub,add_sub_add,add_add,mul_add")
     parser.add_argument("--problems", type=int, default=256)
     parser.add_argument("--samples", type=int, default=4)
-    parser.add_argument("--cache", type=Path, default=Path(os.environ.get(
-        "SPO_SMOLLM2_CACHE", Path.home() / ".cache" / "spo-verl" / "cpu-smollm2")))
+    parser.add_argument("--cache", type=Path, default=None, help="default: the run scripts' (SPO_SMOLLM2_CACHE)")
     args = parser.parse_args(argv)
     from spo_verl.cpu_platform.environment import cpu_run_env
 
     os.environ.update({**cpu_run_env(), "VLLM_CPU_KVCACHE_SPACE": "2"})
-    result = measure([t for t in args.tasks.split(",") if t], args.problems, args.samples, args.cache)
+    from spo_verl.cpu_settings.smollm2 import default_cache
+
+    result = measure([t for t in args.tasks.split(",") if t], args.problems, args.samples, args.cache or default_cache())
     k = args.samples
     print(f"| task | example | greedy acc | sampled acc (T=1) | pass@{k} | problems with mixed samples | truncated |")
     print("|---|---|---|---|---|---|---|")

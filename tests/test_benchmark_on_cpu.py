@@ -138,6 +138,14 @@ async def test_tree_rollout_generates_its_analytic_count_through_verls_worker(ve
     assert re.search(r"^\| `spo_tree` \| [\d.]+ \| 6 \| 80 \| 80 \| \d+ / \d+ \| [\d,]+ \| 24 / 2 \|", text, flags=re.MULTILINE)
     assert re.search(r"^\| `single_turn_agent` \| [\d.]+ \| 4 \| 96 \| 96 \| .*? \| 24 / 1 \|", text, flags=re.MULTILINE)
     assert re.search(r"\| 1\. `spo_tree` 2-2 latency-bound: generated tokens = analytic count \| .*? \| hit \|", text)
+    # The same section for another model is numbered apart and names its model.
+    from spo_verl.benchmarks.tree_rollout_report import SMOLLM2_MODEL
+
+    other = Report()
+    tree_section(other, [result], "1b", SMOLLM2_MODEL)
+    other_text = render(other, header("test", 1, None))
+    assert "1b. Tree rollout against independent sampling, through verl's rollout path, on SmolLM2-135M-Instruct" in other_text
+    assert re.search(r"\| 1b\. `spo_tree` 2-2 latency-bound: generated tokens = analytic count \| .*? \| hit \|", other_text)
     assert re.search(r"\| 1\. 2-2, 1 x 4, forced length, segments \[8\] unaligned, latency-bound: tree's extra wall time \| .*? \| (hit|\*\*MISS\*\*) \|", text)
     assert re.search(r"\| 5\. training tokens per step, `spo_tree` 2-2 .*? \| hit \|", text)
     assert math.isfinite(result.comparison.ratio)

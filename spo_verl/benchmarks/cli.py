@@ -1,6 +1,7 @@
 """The benchmark command: runs every measurement, prints the Markdown and writes it to ``--output``.
 
-    python -m spo_verl.benchmarks [--quick] [--skip-rollout] [--skip-packing] [--skip-step] [--output docs/BENCHMARKS.md]
+    python -m spo_verl.benchmarks [--quick] [--skip-rollout] [--skip-packing] [--skip-step] [--skip-smollm2-rollout]
+                                  [--output docs/BENCHMARKS.md]
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from spo_verl.benchmarks import maths, rollout, tokens, tree_rollout
 from spo_verl.benchmarks.report import Report, header, render, table
 from spo_verl.benchmarks.timing import compare, measure_memory_case, memory_report
-from spo_verl.benchmarks.tree_rollout_report import tree_section
+from spo_verl.benchmarks.tree_rollout_report import SMOLLM2_MODEL, smollm2_model, tree_section
 from spo_verl.rollout.tree import aligned_budgets
 
 ESTIMATOR_TARGET = 3.0
@@ -486,7 +487,7 @@ to come from.
 
 
 def build_report(quick: bool, skip_rollout: bool, repeats: int, threads: int, skip_packing: bool = False,
-                 step: bool = True) -> Report:
+                 step: bool = True, smollm2_rollout: bool = True) -> Report:
     report = Report()
     run_maths(report, quick, repeats, threads)
     if not skip_packing:
@@ -496,6 +497,9 @@ def build_report(quick: bool, skip_rollout: bool, repeats: int, threads: int, sk
 
         step_section(report, step_benchmark.run("cpu-smollm2", 6, ["spo_tree", "grpo"]))
     measured = None if skip_rollout else asyncio.run(run_rollout(report, quick, 1 if quick else repeats))
+    if smollm2_rollout and not (quick or skip_rollout):
+        trees = asyncio.run(tree_rollout.benchmark_trees(smollm2_model(), tree_rollout.SMOLLM2_CASES, repeats))
+        tree_section(report, trees, "1b", SMOLLM2_MODEL)
     training_tokens_section(report, measured)
     # Sections in their numbered order.
     report.sections.sort(key=lambda section: section.split(" ", 2)[1])
@@ -507,6 +511,8 @@ def main(argv=None) -> str:
     parser.add_argument("--quick", action="store_true", help="small sizes, 2 repeats, one 2-2 tree (CI)")
     parser.add_argument("--skip-rollout", action="store_true", help="no vLLM server: sections 1, 2 and 5b left out")
     parser.add_argument("--skip-packing", action="store_true", help="no verl training engine: skip section 7")
+    parser.add_argument("--skip-smollm2-rollout", action="store_true",
+                        help="skip section 1b (the tree rollout on SmolLM2-135M, ~15 minutes; --quick skips it too)")
     parser.add_argument("--skip-step", action="store_true",
                         help="skip section 8 (whole training steps of the CPU default, ~20 minutes; --quick skips it too)")
     parser.add_argument("--output", default=None, help="write the Markdown here (e.g. docs/BENCHMARKS.md)")
@@ -525,7 +531,7 @@ def main(argv=None) -> str:
     repeats = args.repeats or (2 if args.quick else 7)
     started = time.perf_counter()
     report = build_report(args.quick, args.skip_rollout, repeats, args.threads, args.skip_packing,
-                          step=not (args.quick or args.skip_step))
+                          step=not (args.quick or args.skip_step), smollm2_rollout=not args.skip_smollm2_rollout)
     command = "bash scripts/benchmark.sh " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     text = render(report, header(command.strip(), args.threads, None, time.perf_counter() - started))
     if args.output:

@@ -72,6 +72,13 @@ CASES = (
     TreeCase("4-4", (32,), 96, 16, THROUGHPUT, full_length=False, align_to_block=BLOCK_SIZE),
 )
 QUICK_CASES = (TreeCase("2-2", (16,), 32, 1, LATENCY),)
+#: Throughput-bound cases on a real model (SmolLM2-135M, the CPU default's): an engine iteration costs
+#: mostly its tokens there, not a fixed overhead as on the tiny model; fewer prompts, as a round costs
+#: about a minute.
+SMOLLM2_CASES = (
+    TreeCase("2-2", (32,), 96, 16, THROUGHPUT, align_to_block=BLOCK_SIZE),
+    TreeCase("4-4", (32,), 96, 4, THROUGHPUT, align_to_block=BLOCK_SIZE),
+)
 
 
 def analytic_tree_tokens(branching, budgets, response_length: int) -> int:
@@ -215,6 +222,17 @@ async def request_round_trip(server, prompt_ids: list[int], samples: int = 7) ->
                               sampling_params={"max_tokens": 1, "temperature": 1.0})
         seconds.append(time.perf_counter() - started)
     return statistics.median(seconds)
+
+
+async def benchmark_trees(model_dir: str, cases, rounds: int) -> list[TreeResult]:
+    """Every case on one fresh benchmark server for ``model_dir``, shut down afterwards."""
+    from spo_verl.benchmarks.rollout import start_server
+
+    server = await start_server(model_dir, response_length=max(case.response_length for case in cases))
+    try:
+        return [await benchmark_tree(server, model_dir, case, rounds) for case in cases]
+    finally:
+        server.shutdown()
 
 
 async def benchmark_tree(server, model_dir: str, case: TreeCase, rounds: int) -> TreeResult:

@@ -63,7 +63,13 @@ def iteration_cost(results: list[TreeResult], regime: str) -> tuple[float, float
     return float(intercept), float(slope)
 
 
-def tree_section(report: Report, results: list[TreeResult]) -> None:
+TINY_MODEL = "the tests' tiny random Qwen2 (2 layers, character tokenizer)"
+SMOLLM2_MODEL = ("SmolLM2-135M-Instruct, the CPU default's model (30 layers, hidden 576; float32), where an engine "
+                 "iteration's cost is mostly its tokens")
+
+
+def tree_section(report: Report, results: list[TreeResult], section: str = "1", model: str = TINY_MODEL) -> None:
+    """The section's tables and targets (numbered ``section``) for the cases measured on ``model``."""
     side_rows, ratio_rows, latency_rows, token_rows = [], [], [], []
     for result in results:
         case = result.case
@@ -78,17 +84,17 @@ def tree_section(report: Report, results: list[TreeResult]) -> None:
         if analytic is not None:
             generated = sorted({r["counts"].generated_tokens for r in result.tree.rounds})
             exact = generated == [analytic] and result.early_stops == 0
-            report.target(f"1. `spo_tree` {case.shape} {case.regime}: generated tokens = analytic count", "equal, every round",
+            report.target(f"{section}. `spo_tree` {case.shape} {case.regime}: generated tokens = analytic count", "equal, every round",
                           f"{generated} vs {analytic}", exact, "" if exact else f"{result.early_stops} early stops: EOS was sampled")
         if case.regime == THROUGHPUT:
-            report.target(f"1. {case.label}: tree / independent wall time against work", f"<= {WORK_TARGET}x the work ratio",
+            report.target(f"{section}. {case.label}: tree / independent wall time against work", f"<= {WORK_TARGET}x the work ratio",
                           f"{result.comparison.ratio:.2f}x wall, {result.median('work_ratio'):.2f}x work: "
                           f"{result.wall_over_work():.2f}", result.wall_over_work() <= WORK_TARGET,
                           "" if result.wall_over_work() <= WORK_TARGET else
                           "the tree's engine iterations hold fewer tokens (its depths run one after another)")
             work_over_generated = result.median("work_ratio") / result.median("generated_ratio")
             hit = work_over_generated <= WORK_TARGET if case.align_to_block else None
-            report.target(f"1. {case.label}: work ratio against generated-token ratio",
+            report.target(f"{section}. {case.label}: work ratio against generated-token ratio",
                           f"within {WORK_TARGET}x" if case.align_to_block else "reported (unaligned)",
                           f"{result.median('work_ratio'):.2f}x vs {result.median('generated_ratio'):.2f}x "
                           f"({work_over_generated:.2f})", hit,
@@ -103,7 +109,7 @@ def tree_section(report: Report, results: list[TreeResult]) -> None:
                 f"{tree_engine.iterations} / {flat_engine.iterations}" if tree_engine and flat_engine else "-",
                 f"{result.extra_seconds():+.2f}", f"{tree_requests - 1} x {result.round_trip_seconds * 1e3:.0f} ms",
                 f"{result.explained_extra_seconds():.2f}"])
-            report.target(f"1. {case.label}, latency-bound: tree's extra wall time", "<= what its extra requests explain "
+            report.target(f"{section}. {case.label}, latency-bound: tree's extra wall time", "<= what its extra requests explain "
                           f"+ {LATENCY_SLACK:.0%} of independent's", f"{result.extra_seconds():+.2f} s vs {allowed:.2f} s allowed",
                           result.extra_seconds() <= allowed,
                           "" if result.extra_seconds() <= allowed else "more than the critical path's round trips and the "
@@ -121,11 +127,21 @@ def tree_section(report: Report, results: list[TreeResult]) -> None:
         f"Over the throughput-bound cases' rounds an engine iteration cost {fit[0]:.1f} ms plus {fit[1]:.3f} ms per "
         f"token of work (least squares): where the fixed part is most of an iteration, the wall time follows "
         f"the iterations more than the work, and the wall / work column rises above 1.")
-    report.add("1. Tree rollout against independent sampling, through verl's rollout path", f"""
+    latency_text = "" if not latency_rows else f"""
+Latency-bound cases: what a tree's extra requests explain. Each segment after the first on its longest
+path costs a request round trip (the median of seven one-token requests on the idle server through
+verl's client), and their recomputed prompt tokens cost what a token of work costs independent sampling
+(its wall time over its work):
+
+{table(["case", "tree critical path tokens / requests", "flat", "engine iterations tree / flat", "tree - independent s", "extra requests x round trip", "explained s"], latency_rows)}
+"""
+    title = "Tree rollout against independent sampling, through verl's rollout path"
+    if model != TINY_MODEL:
+        title += f", on {model.split(',')[0]}"
+    report.add(f"{section}. {title}", f"""
 verl's `AgentLoopWorker.generate_sequences` (the code of verl's agent-loop workers, run in the benchmark's
 process) with verl's `LLMServerClient` in front of one standalone verl `vLLMReplica` on vLLM's CPU backend
-(`spo_verl/testing/verl_server.py`, the `spo_cpu` platform), the tests' tiny random Qwen2 (2 layers,
-character tokenizer). The `spo_tree` loop against `single_turn_agent` with `rollout.n` = the tree's leaves,
+(`spo_verl/testing/verl_server.py`, the `spo_cpu` platform), {model}. The `spo_tree` loop against `single_turn_agent` with `rollout.n` = the tree's leaves,
 the same prompts (distinct, numbered), temperature 1. Both sides run under one server: `max_num_seqs`
 {MAX_NUM_SEQS} (at least the requests either side has in flight), {BLOCK_SIZE}-token KV-cache blocks (the smallest
 vLLM's CPU attention takes; GPUs default to 16).
@@ -161,14 +177,7 @@ brackets), and every round's wall ratio:
 {table(["case", "wall", "work", "generated tokens", "wall / work", "wall ratio per round"], ratio_rows)}
 
 {fit_text}
-
-Latency-bound cases: what a tree's extra requests explain. Each segment after the first on its longest
-path costs a request round trip (the median of seven one-token requests on the idle server through
-verl's client), and their recomputed prompt tokens cost what a token of work costs independent sampling
-(its wall time over its work):
-
-{table(["case", "tree critical path tokens / requests", "flat", "engine iterations tree / flat", "tree - independent s", "extra requests x round trip", "explained s"], latency_rows)}
-""")
+{latency_text}""")
     if token_rows:
         report.add("5b. Training tokens per step, measured on these CPU rollouts", f"""
 Tokens through the actor's forward and backward for the forced-length latency-bound batches above (every
@@ -178,3 +187,48 @@ node once):
 
 {table(["shape", "SPO-tree rows", "GRPO, same leaves", "tree's unique tokens", "rows / unique"], token_rows)}
 """)
+
+
+def main(argv=None) -> str:
+    """This section alone on one model: ``python -m spo_verl.benchmarks.tree_rollout_report --model
+    cpu-smollm2 [--rounds 7] [--output F.md]`` (the full benchmark runs it as section 1b)."""
+    import argparse
+    import asyncio
+    import tempfile
+
+    from spo_verl.benchmarks import tree_rollout
+    from spo_verl.benchmarks.report import header, render
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--model", choices=("tiny", "cpu-smollm2"), default="cpu-smollm2")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--output", default=None)
+    args = parser.parse_args(argv)
+    report = Report()
+    if args.model == "tiny":
+        from spo_verl.cpu_settings.tiny_model import build_tiny_qwen2, build_tiny_tokenizer
+
+        with tempfile.TemporaryDirectory() as model_dir:
+            build_tiny_qwen2(model_dir, build_tiny_tokenizer(model_dir), seed=0)
+            tree_section(report, asyncio.run(tree_rollout.benchmark_trees(model_dir, tree_rollout.CASES, args.rounds)))
+    else:
+        tree_section(report, asyncio.run(tree_rollout.benchmark_trees(smollm2_model(), tree_rollout.SMOLLM2_CASES,
+                                                                      args.rounds)), "1b", SMOLLM2_MODEL)
+    text = render(report, header(f"python -m spo_verl.benchmarks.tree_rollout_report --model {args.model} "
+                                 f"--rounds {args.rounds}", 1, None))
+    if args.output:
+        with open(args.output, "w") as out:
+            out.write(text)
+    print(text)
+    return text
+
+
+def smollm2_model() -> str:
+    """The CPU default's model folder (built once into its cache, as the run scripts do)."""
+    from spo_verl.cpu_settings import smollm2 as cpu_smollm2
+
+    return cpu_smollm2.build(cpu_smollm2.default_cache())["model"]
+
+
+if __name__ == "__main__":
+    main()

@@ -24,6 +24,7 @@ arithmetic word problems, built locally into a cache folder (nothing from the mo
 from __future__ import annotations
 
 import importlib.util
+import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -137,6 +138,11 @@ def write_data(directory: Path, task: str = DEFAULT_TASK) -> tuple[Path, Path]:
     write_rows([row(q, a, "test", i, task) for i, (q, a) in enumerate(held_out[:HELD_OUT_PROBLEMS])], val_path)
     write_rows([row(q, a, "test", i, task) for i, (q, a) in enumerate(held_out)], directory / STUDY_VAL_FILE)
     return train_path, val_path
+
+
+def default_cache() -> Path:
+    """Where the run scripts build this setting: ``SPO_SMOLLM2_CACHE``, else ``~/.cache/spo-verl/cpu-smollm2``."""
+    return Path(os.environ.get("SPO_SMOLLM2_CACHE", Path.home() / ".cache" / "spo-verl" / "cpu-smollm2"))
 
 
 def study_val_files(output_dir: str | Path, task: str = DEFAULT_TASK) -> str:
