@@ -72,9 +72,10 @@ CASES = (
     TreeCase("4-4", (32,), 96, 16, THROUGHPUT, full_length=False, align_to_block=BLOCK_SIZE),
 )
 QUICK_CASES = (TreeCase("2-2", (16,), 32, 1, LATENCY),)
-#: Throughput-bound cases on a real model (SmolLM2-135M, the CPU default's): an engine iteration costs
-#: mostly its tokens there (about 10 ms a token on two CPU cores, against a fixed ~20 ms), so 32
-#: sequences in flight already fill it; shorter responses than above, as a round costs most of a minute.
+#: Throughput-bound cases on a real model (SmolLM2-135M, the CPU default's): an engine iteration's
+#: cost grows with its tokens there (measured on two CPU cores: ~120 ms fixed plus ~3.3 ms a token, so
+#: about half of an iteration at 32 sequences), unlike the tiny model's, whose iterations cost about the
+#: same whatever they hold; 32 sequences and 64-token responses keep seven rounds within minutes.
 SMOLLM2_CASES = (
     TreeCase("2-2", (16,), 64, 8, THROUGHPUT, align_to_block=BLOCK_SIZE),
     TreeCase("4-4", (16,), 64, 2, THROUGHPUT, align_to_block=BLOCK_SIZE),

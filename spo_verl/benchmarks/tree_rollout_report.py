@@ -64,8 +64,8 @@ def iteration_cost(results: list[TreeResult], regime: str) -> tuple[float, float
 
 
 TINY_MODEL = "the tests' tiny random Qwen2 (2 layers, character tokenizer)"
-SMOLLM2_MODEL = ("SmolLM2-135M-Instruct, the CPU default's model (30 layers, hidden 576; float32), where an engine "
-                 "iteration's cost is mostly its tokens")
+SMOLLM2_MODEL = ("SmolLM2-135M-Instruct, the CPU default's model (30 layers, hidden 576; float32), whose engine "
+                 "iterations cost more the more tokens they hold (the fit below)")
 
 
 def tree_section(report: Report, results: list[TreeResult], section: str = "1", model: str = TINY_MODEL) -> None:
