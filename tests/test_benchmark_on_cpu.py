@@ -88,7 +88,7 @@ def test_an_engine_iterations_cost_is_fitted_against_its_work():
     from spo_verl.benchmarks.rollout import Counts, EngineStats, Side
     from spo_verl.benchmarks.timing import Comparison
     from spo_verl.benchmarks.tree_rollout import THROUGHPUT, TreeResult
-    from spo_verl.benchmarks.tree_rollout_report import iteration_cost
+    from spo_verl.benchmarks.tree_rollout_report import fitted_wall_over_work, iteration_cost
 
     def side(points):  # (generated tokens, iterations) per round, no prompt tokens computed
         rounds = [{"seconds": iterations * (10 + 0.1 * generated / iterations) / 1e3, "counts": Counts(1, 0, 0, generated),
@@ -100,6 +100,11 @@ def test_an_engine_iterations_cost_is_fitted_against_its_work():
     fixed, per_token = iteration_cost([result], THROUGHPUT)
     assert fixed == pytest.approx(10.0) and per_token == pytest.approx(0.1)
     assert iteration_cost([result], LATENCY) is None  # no latency-bound case here
+    # Rounds that follow the fitted cost exactly: the prediction is the measured wall / work, here for the
+    # one pair of rounds, tree 100 x 10 + 0.1 x 1000 = 1100 ms against 50 x 10 + 0.1 x 5000 = 1000 ms, at
+    # a fifth of the work.
+    assert fitted_wall_over_work(result, (fixed, per_token)) == pytest.approx(1100 / 1000 / 0.2)
+    assert result.wall_over_work() == pytest.approx(1100 / 1000 / 0.2)
 
 
 @in_session_loop

@@ -23,7 +23,7 @@ import torch
 from spo_verl.benchmarks import maths, rollout, tokens, tree_rollout
 from spo_verl.benchmarks.report import Report, header, render, table
 from spo_verl.benchmarks.timing import compare, measure_memory_case, memory_report
-from spo_verl.benchmarks.tree_rollout_report import SMOLLM2_MODEL, smollm2_model, tree_section
+from spo_verl.benchmarks.tree_rollout_report import SMOLLM2_MODEL, benchmark_smollm2_trees, tree_section
 from spo_verl.rollout.tree import aligned_budgets
 
 ESTIMATOR_TARGET = 3.0
@@ -498,8 +498,7 @@ def build_report(quick: bool, skip_rollout: bool, repeats: int, threads: int, sk
         step_section(report, step_benchmark.run("cpu-smollm2", 6, ["spo_tree", "grpo"]))
     measured = None if skip_rollout else asyncio.run(run_rollout(report, quick, 1 if quick else repeats))
     if smollm2_rollout and not (quick or skip_rollout):
-        trees = asyncio.run(tree_rollout.benchmark_trees(smollm2_model(), tree_rollout.SMOLLM2_CASES, repeats))
-        tree_section(report, trees, "1b", SMOLLM2_MODEL)
+        tree_section(report, benchmark_smollm2_trees(repeats), "1b", SMOLLM2_MODEL)
     training_tokens_section(report, measured)
     # Sections in their numbered order.
     report.sections.sort(key=lambda section: section.split(" ", 2)[1])
@@ -512,7 +511,7 @@ def main(argv=None) -> str:
     parser.add_argument("--skip-rollout", action="store_true", help="no vLLM server: sections 1, 2 and 5b left out")
     parser.add_argument("--skip-packing", action="store_true", help="no verl training engine: skip section 7")
     parser.add_argument("--skip-smollm2-rollout", action="store_true",
-                        help="skip section 1b (the tree rollout on SmolLM2-135M, ~10 minutes; --quick skips it too)")
+                        help="skip section 1b (the tree rollout on SmolLM2-135M, ~45 minutes; --quick skips it too)")
     parser.add_argument("--skip-step", action="store_true",
                         help="skip section 8 (whole training steps of the CPU default, ~20 minutes; --quick skips it too)")
     parser.add_argument("--output", default=None, help="write the Markdown here (e.g. docs/BENCHMARKS.md)")

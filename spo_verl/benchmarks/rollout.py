@@ -202,10 +202,13 @@ SERVER_OVERRIDES = (
 )
 
 
-async def start_server(model_dir: str, response_length: int = RESPONSE_LENGTH):
+async def start_server(model_dir: str, response_length: int = RESPONSE_LENGTH, kv_cache_gib: int | None = None):
+    """The benchmark's server; ``kv_cache_gib``: vLLM's CPU KV cache (``VLLM_CPU_KVCACHE_SPACE``) when
+    the CPU runs' default is too small for the sequences a case has in flight."""
     from spo_verl.testing.verl_server import start_verl_server
 
-    return await start_verl_server(model_dir, prompt_length=PROMPT_LENGTH, response_length=response_length,
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)} if kv_cache_gib else None
+    return await start_verl_server(model_dir, env=env, prompt_length=PROMPT_LENGTH, response_length=response_length,
                                    overrides=SERVER_OVERRIDES)
 
 

@@ -73,13 +73,21 @@ CASES = (
 )
 QUICK_CASES = (TreeCase("2-2", (16,), 32, 1, LATENCY),)
 #: Throughput-bound cases on a real model (SmolLM2-135M, the CPU default's): an engine iteration's
-#: cost grows with its tokens there (measured on two CPU cores: ~120 ms fixed plus ~3.3 ms a token, so
-#: about half of an iteration at 32 sequences), unlike the tiny model's, whose iterations cost about the
-#: same whatever they hold; 32 sequences and 64-token responses keep seven rounds within minutes.
+#: cost grows with its tokens there (measured on two CPU cores: ~120 ms fixed plus ~3.3 ms a token),
+#: unlike the tiny model's, whose iterations cost about the same whatever they hold. Two sizes of the
+#: same trees, 32 and 128 sequences in flight (the fixed part about half and about a fifth of an
+#: iteration), and the paper's 6-6-6 from one prompt (216 sequences; its first two depths hold 6 and
+#: 36). 64-token responses keep seven rounds of all five within about 45 minutes.
 SMOLLM2_CASES = (
     TreeCase("2-2", (16,), 64, 8, THROUGHPUT, align_to_block=BLOCK_SIZE),
     TreeCase("4-4", (16,), 64, 2, THROUGHPUT, align_to_block=BLOCK_SIZE),
+    TreeCase("2-2", (16,), 64, 32, THROUGHPUT, align_to_block=BLOCK_SIZE),
+    TreeCase("4-4", (16,), 64, 8, THROUGHPUT, align_to_block=BLOCK_SIZE),
+    TreeCase("6-6-6", (16, 16), 64, 1, THROUGHPUT, align_to_block=BLOCK_SIZE),
 )
+#: SmolLM2 keeps 46 KB of KV cache a token in float32 (30 layers, 3 KV heads of 64), so 216 sequences of
+#: up to 128 tokens (whole blocks) need about 1.3 GB: more than the CPU runs' 1 GiB, which would preempt.
+SMOLLM2_KV_CACHE_GIB = 2
 
 
 def analytic_tree_tokens(branching, budgets, response_length: int) -> int:
@@ -225,11 +233,12 @@ async def request_round_trip(server, prompt_ids: list[int], samples: int = 7) ->
     return statistics.median(seconds)
 
 
-async def benchmark_trees(model_dir: str, cases, rounds: int) -> list[TreeResult]:
+async def benchmark_trees(model_dir: str, cases, rounds: int, kv_cache_gib: int | None = None) -> list[TreeResult]:
     """Every case on one fresh benchmark server for ``model_dir``, shut down afterwards."""
     from spo_verl.benchmarks.rollout import start_server
 
-    server = await start_server(model_dir, response_length=max(case.response_length for case in cases))
+    server = await start_server(model_dir, response_length=max(case.response_length for case in cases),
+                                kv_cache_gib=kv_cache_gib)
     try:
         return [await benchmark_tree(server, model_dir, case, rounds) for case in cases]
     finally:

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 
 import numpy as np
 
+from spo_verl.benchmarks import tree_rollout
 from spo_verl.benchmarks.report import Report, table
 from spo_verl.benchmarks.rollout import BLOCK_SIZE, MAX_NUM_SEQS, Side
 from spo_verl.benchmarks.tree_rollout import LATENCY, THROUGHPUT, TreeResult, critical_path, training_rows, tree_unique_tokens, work
@@ -63,6 +65,21 @@ def iteration_cost(results: list[TreeResult], regime: str) -> tuple[float, float
     return float(intercept), float(slope)
 
 
+def fitted_wall_over_work(result: TreeResult, fit: tuple[float, float]) -> float | None:
+    """The wall / work the iteration-cost ``fit`` predicts for ``result``'s case: each side's wall time
+    as its engine iterations at the fixed cost plus its work at the cost per token, tree over
+    independent, over the work ratio (median over rounds)."""
+    fixed, per_token = fit
+
+    def cost(round_):
+        return fixed * round_["engine"].iterations + per_token * work(round_["counts"])
+
+    pairs = [(t, i) for t, i in zip(result.tree.rounds, result.independent.rounds) if t["engine"] and i["engine"]]
+    if not pairs:
+        return None
+    return statistics.median(cost(t) / cost(i) / (work(t["counts"]) / work(i["counts"])) for t, i in pairs)
+
+
 TINY_MODEL = "the tests' tiny random Qwen2 (2 layers, character tokenizer)"
 SMOLLM2_MODEL = ("SmolLM2-135M-Instruct, the CPU default's model (30 layers, hidden 576; float32), whose engine "
                  "iterations cost more the more tokens they hold (the fit below)")
@@ -71,6 +88,7 @@ SMOLLM2_MODEL = ("SmolLM2-135M-Instruct, the CPU default's model (30 layers, hid
 def tree_section(report: Report, results: list[TreeResult], section: str = "1", model: str = TINY_MODEL) -> None:
     """The section's tables and targets (numbered ``section``) for the cases measured on ``model``."""
     side_rows, ratio_rows, latency_rows, token_rows = [], [], [], []
+    fit = iteration_cost(results, THROUGHPUT)
     for result in results:
         case = result.case
         analytic = result.analytic_generated()
@@ -79,8 +97,10 @@ def tree_section(report: Report, results: list[TreeResult], section: str = "1", 
         side_rows.append(_side_row("`spo_tree`", result.tree, analytic))
         side_rows.append(_side_row("`single_turn_agent`", result.independent, independent_analytic))
         per_round = " ".join(f"{row['wall_ratio']:.2f}" for row in result.per_round())
+        predicted = fitted_wall_over_work(result, fit) if fit and case.regime == THROUGHPUT else None
         ratio_rows.append([f"{case.regime} {case.label}", result.comparison.ratio_text(), f"{result.median('work_ratio'):.2f}x",
-                           f"{result.median('generated_ratio'):.2f}x", f"{result.wall_over_work():.2f}", per_round])
+                           f"{result.median('generated_ratio'):.2f}x", f"{result.wall_over_work():.2f}",
+                           "-" if predicted is None else f"{predicted:.2f}", per_round])
         if analytic is not None:
             generated = sorted({r["counts"].generated_tokens for r in result.tree.rounds})
             exact = generated == [analytic] and result.early_stops == 0
@@ -91,7 +111,8 @@ def tree_section(report: Report, results: list[TreeResult], section: str = "1", 
                           f"{result.comparison.ratio:.2f}x wall, {result.median('work_ratio'):.2f}x work: "
                           f"{result.wall_over_work():.2f}", result.wall_over_work() <= WORK_TARGET,
                           "" if result.wall_over_work() <= WORK_TARGET else
-                          "the tree's engine iterations hold fewer tokens (its depths run one after another)")
+                          "the tree's engine iterations hold fewer tokens (its depths run one after another)"
+                          + ("" if predicted is None else f"; the iteration-cost fit predicts {predicted:.2f}"))
             work_over_generated = result.median("work_ratio") / result.median("generated_ratio")
             hit = work_over_generated <= WORK_TARGET if case.align_to_block else None
             report.target(f"{section}. {case.label}: work ratio against generated-token ratio",
@@ -122,11 +143,15 @@ def tree_section(report: Report, results: list[TreeResult], section: str = "1", 
                                f"{grpo_training['tokens']:,} ({grpo_training['rows']} rows)", f"{unique:,}",
                                f"{tree_training['tokens'] / unique:.2f}x"])
     rounds = len(results[0].tree.rounds) if results else 0
-    fit = iteration_cost(results, THROUGHPUT)
     fit_text = "" if fit is None else (
         f"Over the throughput-bound cases' rounds an engine iteration cost {fit[0]:.1f} ms plus {fit[1]:.3f} ms per "
-        f"token of work (least squares): where the fixed part is most of an iteration, the wall time follows "
-        f"the iterations more than the work, and the wall / work column rises above 1.")
+        f"token of work (least squares). Both sides run about the same number of iterations (their critical paths "
+        f"are equally long), so each iteration's fixed part weighs more on the side with less work: where it is "
+        f"a large share of an iteration, the wall time follows the iterations more than the work and wall / work "
+        f"rises above 1. The \"fit\" column is that prediction (each side's iterations at the fixed cost plus its "
+        f"work at the cost per token). It falls towards 1 as more sequences share each iteration, and it stays "
+        f"high for a tree whose first depths hold few sequences (6-6-6 from one prompt: 6, then 36), whose "
+        f"iterations there pay the fixed cost for little work; a batch of many prompts fills those depths too.")
     latency_text = "" if not latency_rows else f"""
 Latency-bound cases: what a tree's extra requests explain. Each segment after the first on its longest
 path costs a request round trip (the median of seven one-token requests on the idle server through
@@ -174,7 +199,7 @@ request, prompt-token and generated-token counters against the per-request count
 Tree / independent, the median over rounds of the per-round ratios (wall: smallest and largest in
 brackets), and every round's wall ratio:
 
-{table(["case", "wall", "work", "generated tokens", "wall / work", "wall ratio per round"], ratio_rows)}
+{table(["case", "wall", "work", "generated tokens", "wall / work", "wall / work, fit", "wall ratio per round"], ratio_rows)}
 
 {fit_text}
 {latency_text}""")
@@ -193,10 +218,8 @@ def main(argv=None) -> str:
     """This section alone on one model: ``python -m spo_verl.benchmarks.tree_rollout_report --model
     cpu-smollm2 [--rounds 7] [--output F.md]`` (the full benchmark runs it as section 1b)."""
     import argparse
-    import asyncio
     import tempfile
 
-    from spo_verl.benchmarks import tree_rollout
     from spo_verl.benchmarks.report import header, render
 
     parser = argparse.ArgumentParser(description=main.__doc__)
@@ -212,8 +235,7 @@ def main(argv=None) -> str:
             build_tiny_qwen2(model_dir, build_tiny_tokenizer(model_dir), seed=0)
             tree_section(report, asyncio.run(tree_rollout.benchmark_trees(model_dir, tree_rollout.CASES, args.rounds)))
     else:
-        tree_section(report, asyncio.run(tree_rollout.benchmark_trees(smollm2_model(), tree_rollout.SMOLLM2_CASES,
-                                                                      args.rounds)), "1b", SMOLLM2_MODEL)
+        tree_section(report, benchmark_smollm2_trees(args.rounds), "1b", SMOLLM2_MODEL)
     text = render(report, header(f"python -m spo_verl.benchmarks.tree_rollout_report --model {args.model} "
                                  f"--rounds {args.rounds}", 1, None))
     if args.output:
@@ -228,6 +250,12 @@ def smollm2_model() -> str:
     from spo_verl.cpu_settings import smollm2 as cpu_smollm2
 
     return cpu_smollm2.build(cpu_smollm2.default_cache())["model"]
+
+
+def benchmark_smollm2_trees(rounds: int) -> list[TreeResult]:
+    """Section 1b's measurements: ``tree_rollout.SMOLLM2_CASES`` on the CPU default's model."""
+    return asyncio.run(tree_rollout.benchmark_trees(smollm2_model(), tree_rollout.SMOLLM2_CASES, rounds,
+                                                    kv_cache_gib=tree_rollout.SMOLLM2_KV_CACHE_GIB))
 
 
 if __name__ == "__main__":

@@ -125,10 +125,12 @@ class VerlServer:
             _restore_env(self._saved_env)
 
 
-async def start_verl_server(model_dir: str, **config_kwargs: Any) -> VerlServer:
+async def start_verl_server(model_dir: str, env: dict[str, str] | None = None, **config_kwargs: Any) -> VerlServer:
     """Start Ray and one standalone verl vLLM replica for ``model_dir``, as verl's trainers build
     theirs (``LLMServerManager.create`` then ``get_client``). Must be awaited in the event loop that
-    will use the client. ``config_kwargs`` go to :func:`server_config` (the tests use its defaults)."""
+    will use the client. ``env``: values that replace the CPU environment's for this server (e.g. a
+    larger ``VLLM_CPU_KVCACHE_SPACE``). ``config_kwargs`` go to :func:`server_config` (the tests use
+    its defaults)."""
     import ray
 
     if ray.is_initialized():
@@ -136,10 +138,11 @@ async def start_verl_server(model_dir: str, **config_kwargs: Any) -> VerlServer:
             "Ray is already running in the test process; the verl server fixture starts its own Ray "
             "(with a logical GPU for verl's resource pool). A test that calls ray.init must shut it down."
         )
-    saved_env = {key: os.environ.get(key) for key in (*PLATFORM_ENV, *CPU_ENV)}
+    env = env or {}
+    saved_env = {key: os.environ.get(key) for key in (*PLATFORM_ENV, *CPU_ENV, *env)}
     for key, value in CPU_ENV.items():
         os.environ.setdefault(key, value)
-    os.environ.update(PLATFORM_ENV)
+    os.environ.update({**PLATFORM_ENV, **env})
     try:
         _use_cpu_platform()
         from verl.workers.rollout.llm_server import LLMServerManager
