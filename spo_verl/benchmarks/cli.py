@@ -15,7 +15,6 @@ import shlex
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 import torch
@@ -267,10 +266,9 @@ are dropped), which only helps when whole leaves have nothing to train.
 async def run_rollout(report: Report, quick: bool, repeats: int) -> tree_rollout.TreeResult | None:
     """Sections 1 and 2 on one server; returns the case section 5 measures its row tokens on (the
     largest forced-length tree)."""
-    from spo_verl.cpu_settings.tiny_model import build_tiny_qwen2, build_tiny_tokenizer
+    from spo_verl.cpu_settings.tiny_model import temporary_tiny_qwen2
 
-    with tempfile.TemporaryDirectory() as model_dir:
-        build_tiny_qwen2(model_dir, build_tiny_tokenizer(model_dir), seed=0)
+    with temporary_tiny_qwen2() as model_dir:
         server = await rollout.start_server(model_dir)
         try:
             cases = tree_rollout.QUICK_CASES if quick else tree_rollout.CASES

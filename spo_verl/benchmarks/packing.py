@@ -24,7 +24,6 @@ import argparse
 import json
 import random
 import sys
-import tempfile
 from dataclasses import dataclass
 
 from spo_verl.packing.micro_batches import packed_token_count
@@ -237,11 +236,10 @@ def main(argv=None) -> dict:
     start_process_group()  # before verl is imported
     import torch
 
-    from spo_verl.cpu_settings.tiny_model import build_tiny_qwen2, build_tiny_tokenizer
+    from spo_verl.cpu_settings.tiny_model import temporary_tiny_qwen2
 
     torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory() as model_dir:
-        build_tiny_qwen2(model_dir, build_tiny_tokenizer(model_dir), seed=0)
+    with temporary_tiny_qwen2() as model_dir:
         setup = Setup(model_dir)
         if args.memory_cases is not None:
             result = measure_memory(setup, args.memory_cases, args.quick)

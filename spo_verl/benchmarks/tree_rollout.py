@@ -101,9 +101,14 @@ def analytic_tree_tokens(branching, budgets, response_length: int) -> int:
     return total
 
 
+def row_prompt_lengths(output) -> list[int]:
+    """Each row's prompt length (its attention-masked prompt tokens)."""
+    return output.batch["attention_mask"][:, : output.batch["prompts"].shape[1]].sum(dim=1).tolist()
+
+
 def tree_prompt_lengths(output) -> list[int]:
     """Each tree's prompt length, in the order the trees first appear in the batch."""
-    lengths = output.batch["attention_mask"][:, : output.batch["prompts"].shape[1]].sum(dim=1).tolist()
+    lengths = row_prompt_lengths(output)
     seen, result = set(), []
     for row, meta in enumerate(output.non_tensor_batch["spo"]):
         if meta["tree_id"] not in seen:
@@ -124,7 +129,7 @@ def training_rows(output) -> dict[str, int]:
 def tree_unique_tokens(output) -> int:
     """Prompt tokens of each tree once plus each tree node's tokens once (from the SPO metadata)."""
     spo = output.non_tensor_batch["spo"]
-    prompt_lengths = output.batch["attention_mask"][:, : output.batch["prompts"].shape[1]].sum(dim=1).tolist()
+    prompt_lengths = row_prompt_lengths(output)
     trees: dict[str, dict] = {}
     for row, meta in enumerate(spo):
         tree = trees.setdefault(meta["tree_id"], {"prompt": prompt_lengths[row], "nodes": {}})

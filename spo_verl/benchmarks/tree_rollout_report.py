@@ -218,7 +218,6 @@ def main(argv=None) -> str:
     """This section alone on one model: ``python -m spo_verl.benchmarks.tree_rollout_report --model
     cpu-smollm2 [--rounds 7] [--output F.md]`` (the full benchmark runs it as section 1b)."""
     import argparse
-    import tempfile
 
     from spo_verl.benchmarks.report import header, render
 
@@ -229,10 +228,9 @@ def main(argv=None) -> str:
     args = parser.parse_args(argv)
     report = Report()
     if args.model == "tiny":
-        from spo_verl.cpu_settings.tiny_model import build_tiny_qwen2, build_tiny_tokenizer
+        from spo_verl.cpu_settings.tiny_model import temporary_tiny_qwen2
 
-        with tempfile.TemporaryDirectory() as model_dir:
-            build_tiny_qwen2(model_dir, build_tiny_tokenizer(model_dir), seed=0)
+        with temporary_tiny_qwen2() as model_dir:
             tree_section(report, asyncio.run(tree_rollout.benchmark_trees(model_dir, tree_rollout.CASES, args.rounds)))
     else:
         tree_section(report, benchmark_smollm2_trees(args.rounds), "1b", SMOLLM2_MODEL)

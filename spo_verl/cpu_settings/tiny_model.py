@@ -4,6 +4,8 @@ a randomly initialised ``Qwen2ForCausalLM`` saved with ``save_pretrained``.
 
 * :func:`build_tiny_tokenizer` -- a deterministic character-level tokenizer (<= 128 tokens) with a
   Qwen-style chat template.
+* :func:`temporary_tiny_qwen2` -- both in a temporary folder for the length of a ``with`` block (the
+  benchmarks' model).
 * :func:`build_tiny_qwen2` -- a 2-layer Qwen2 (hidden 128, head_dim 64) whose output head is
   calibrated so that sampling at temperature 1 gives a mix of likely and unlikely tokens and the
   EOS token ``<|im_end|>`` has a probability of a few percent per step.
@@ -15,8 +17,10 @@ temperature)``), against a teacher-forced transformers forward pass.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import tempfile
 from pathlib import Path
 
 # ----------------------------------------------------------------------------------------------
@@ -263,3 +267,12 @@ def build_tiny_qwen2(directory: str | os.PathLike, tokenizer, seed: int = 0, eos
     model.save_pretrained(str(directory), safe_serialization=True)
     tokenizer.save_pretrained(str(directory))
     return str(directory)
+
+
+@contextlib.contextmanager
+def temporary_tiny_qwen2(seed: int = 0):
+    """The tiny model and its tokenizer built in a temporary folder, whose path the block gets; removed
+    afterwards."""
+    with tempfile.TemporaryDirectory() as model_dir:
+        build_tiny_qwen2(model_dir, build_tiny_tokenizer(model_dir), seed=seed)
+        yield model_dir
