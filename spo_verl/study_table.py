@@ -44,6 +44,28 @@ def first_and_last(run: Path) -> tuple[dict[str, float], dict[str, float], int] 
     return read_dump(dumps[0]), read_dump(dumps[-1]), int(dumps[-1].stem)
 
 
+@dataclass(frozen=True)
+class RunScores:
+    """One run's held-out scores before training (``base``) and at its last validation (``final``,
+    at ``step``)."""
+
+    folder: Path
+    base: dict[str, float]
+    final: dict[str, float]
+    step: int
+
+
+def read_runs(runs: dict[str, list[Path]]) -> dict[str, list[RunScores]]:
+    """Every run's first and last validation dump, each read once; runs without both are left out, and
+    so is an algorithm with none."""
+    read: dict[str, list[RunScores]] = {}
+    for name, folders in runs.items():
+        scores = [RunScores(folder, *pair) for folder in folders if (pair := first_and_last(folder)) is not None]
+        if scores:
+            read[name] = scores
+    return read
+
+
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
@@ -78,38 +100,34 @@ def _paired(per_problem: list[float]) -> float:
     return _se(per_problem) or 0.0
 
 
-def summarize(runs: dict[str, list[Path]]) -> dict[str, Row]:
-    """``runs``: algorithm -> its seeds' run folders. Runs without a base and a final dump are left out."""
+def summarize(read: dict[str, list[RunScores]]) -> dict[str, Row]:
+    """``read``: algorithm -> its seeds' scores (:func:`read_runs`)."""
     rows = {}
-    for name, folders in runs.items():
-        read = [r for r in (first_and_last(folder) for folder in folders) if r is not None]
-        if not read:
-            continue
-        problems = sorted(set.intersection(*(set(base) & set(final) for base, final, _ in read)))
-        base = {p: _mean([b[p] for b, _, _ in read]) for p in problems}  # greedy: the same in every run
-        finals = [_mean([f[p] for p in problems]) for _, f, _ in read]
+    for name, scores in read.items():
+        problems = sorted(set.intersection(*(set(run.base) & set(run.final) for run in scores)))
+        base = {p: _mean([run.base[p] for run in scores]) for p in problems}  # greedy: the same in every run
+        finals = [_mean([run.final[p] for p in problems]) for run in scores]
         gains = [final - _mean(list(base.values())) for final in finals]
-        per_problem_gain = [_mean([f[p] for _, f, _ in read]) - base[p] for p in problems]
+        per_problem_gain = [_mean([run.final[p] for run in scores]) - base[p] for p in problems]
         se_problems = _paired(per_problem_gain)
-        rows[name] = Row(name, len(read), len(problems), _mean(list(base.values())), _mean(finals), _se(finals),
+        rows[name] = Row(name, len(scores), len(problems), _mean(list(base.values())), _mean(finals), _se(finals),
                          _mean(gains), _se(gains), se_problems, _combined(_se(gains), se_problems),
-                         [step for _, _, step in read])
+                         [run.step for run in scores])
     return rows
 
 
-def difference(runs: dict[str, list[Path]], name: str, reference: str) -> dict | None:
+def difference(read: dict[str, list[RunScores]], name: str, reference: str) -> dict | None:
     """Final accuracy of ``name`` minus ``reference``'s, seeds unpaired, problems paired."""
-    ours = [r for r in (first_and_last(f) for f in runs.get(name, [])) if r is not None]
-    theirs = [r for r in (first_and_last(f) for f in runs.get(reference, [])) if r is not None]
+    ours, theirs = read.get(name, []), read.get(reference, [])
     if not ours or not theirs:
         return None
-    problems = sorted(set.intersection(*(set(f) for _, f, _ in ours + theirs)))
-    ours_final = [_mean([f[p] for p in problems]) for _, f, _ in ours]
-    theirs_final = [_mean([f[p] for p in problems]) for _, f, _ in theirs]
+    problems = sorted(set.intersection(*(set(run.final) for run in ours + theirs)))
+    ours_final = [_mean([run.final[p] for p in problems]) for run in ours]
+    theirs_final = [_mean([run.final[p] for p in problems]) for run in theirs]
     se_seeds = None
     if len(ours) > 1 and len(theirs) > 1:
         se_seeds = math.sqrt(_se(ours_final) ** 2 + _se(theirs_final) ** 2)
-    per_problem = [_mean([f[p] for _, f, _ in ours]) - _mean([f[p] for _, f, _ in theirs]) for p in problems]
+    per_problem = [_mean([run.final[p] for run in ours]) - _mean([run.final[p] for run in theirs]) for p in problems]
     se_problems = _paired(per_problem)
     return {"algorithm": name, "reference": reference, "difference": _mean(ours_final) - _mean(theirs_final),
             "se_seeds": se_seeds, "se_problems": se_problems, "se": _combined(se_seeds, se_problems)}
@@ -127,7 +145,7 @@ def study_runs(output_dir: Path) -> dict[str, list[Path]]:
     return runs
 
 
-def export_answers(runs: dict[str, list[Path]], path: Path) -> Path:
+def export_answers(read: dict[str, list[RunScores]], path: Path) -> Path:
     """Every held-out answer's score at each run's first and last validation, one CSV row each
     (``problem``: the answer's position in the sorted prompts), so the table can be recomputed
     without the dumps."""
@@ -136,16 +154,12 @@ def export_answers(runs: dict[str, list[Path]], path: Path) -> Path:
     with open(path, "w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(["algorithm", "seed", "step", "problem", "score"])
-        for name, folders in runs.items():
-            for folder in folders:
-                read = first_and_last(folder)
-                if read is None:
-                    continue
-                base, final, step = read
-                order = {prompt: i for i, prompt in enumerate(sorted(base))}
-                for at, scores in ((0, base), (step, final)):
-                    for prompt, score in sorted(scores.items(), key=lambda item: order.get(item[0], -1)):
-                        writer.writerow([name, folder.name.removeprefix("seed"), at, order.get(prompt, -1), f"{score:g}"])
+        for name, scores in read.items():
+            for run in scores:
+                order = {prompt: i for i, prompt in enumerate(sorted(run.base))}
+                for at, answers in ((0, run.base), (run.step, run.final)):
+                    for prompt, score in sorted(answers.items(), key=lambda item: order.get(item[0], -1)):
+                        writer.writerow([name, run.folder.name.removeprefix("seed"), at, order.get(prompt, -1), f"{score:g}"])
     return path
 
 
@@ -166,14 +180,14 @@ def render(rows: dict[str, Row], differences: list[dict], reference: str) -> str
 
 def write_table(output_dir: Path, path: Path, reference: str = "grpo") -> Path | None:
     """The study's final table (markdown) and every answer's score (``answers.csv`` beside it)."""
-    runs = study_runs(output_dir)
-    rows = summarize(runs)
+    read = read_runs(study_runs(output_dir))
+    rows = summarize(read)
     if not rows:
         return None
-    differences = [d for name in rows if name != reference if (d := difference(runs, name, reference)) is not None]
+    differences = [d for name in rows if name != reference if (d := difference(read, name, reference)) is not None]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render(rows, differences, reference) + "\n")
-    export_answers(runs, path.parent / "heldout_answers.csv")
+    export_answers(read, path.parent / "heldout_answers.csv")
     return path
 
 
@@ -183,12 +197,12 @@ def main(argv=None) -> int:
     parser.add_argument("--reference", default="grpo", help="the algorithm the others are compared with (default grpo)")
     parser.add_argument("--export", type=Path, help="also write every answer's score to this CSV")
     args = parser.parse_args(argv)
-    runs = study_runs(args.output_dir)
+    read = read_runs(study_runs(args.output_dir))
     if args.export:
-        export_answers(runs, args.export)
-    rows = summarize(runs)
+        export_answers(read, args.export)
+    rows = summarize(read)
     differences = [d for name in rows if name != args.reference
-                   if (d := difference(runs, name, args.reference)) is not None]
+                   if (d := difference(read, name, args.reference)) is not None]
     print(render(rows, differences, args.reference))
     print(json.dumps({"rows": {name: asdict(row) for name, row in rows.items()}, "differences": differences}))
     return 0

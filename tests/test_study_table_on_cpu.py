@@ -22,7 +22,7 @@ def test_gains_and_their_standard_errors(tmp_path, capsys):
     for name, runs in finals.items():
         for seed, final in enumerate(runs):
             write_run(tmp_path / name / f"seed{seed}", base, final)
-    rows = study_table.summarize(study_table.study_runs(tmp_path))
+    rows = study_table.summarize(study_table.read_runs(study_table.study_runs(tmp_path)))
     tree = rows["spo_tree"]
     assert (tree.seeds, tree.problems, tree.base) == (3, 4, 0.25)
     assert tree.final_mean == pytest.approx(0.5) and tree.gain == pytest.approx(0.25)
@@ -33,7 +33,7 @@ def test_gains_and_their_standard_errors(tmp_path, capsys):
     mean = sum(gains) / 4
     assert tree.gain_se_problems == pytest.approx(math.sqrt(sum((g - mean) ** 2 for g in gains) / 3 / 4))
     assert tree.gain_se == pytest.approx(math.hypot(tree.gain_se_seeds, tree.gain_se_problems))
-    difference = study_table.difference(study_table.study_runs(tmp_path), "spo_tree", "grpo")
+    difference = study_table.difference(study_table.read_runs(study_table.study_runs(tmp_path)), "spo_tree", "grpo")
     assert difference["difference"] == pytest.approx(0.5 - 1 / 6)
     assert study_table.main(["--output-dir", str(tmp_path), "--export", str(tmp_path / "answers.csv")]) == 0
     import csv
@@ -50,7 +50,7 @@ def test_gains_and_their_standard_errors(tmp_path, capsys):
 def test_a_run_without_its_base_validation_is_left_out(tmp_path):
     write_run(tmp_path / "grpo" / "seed0", [1, 0], [1, 1])
     (tmp_path / "grpo" / "seed0" / "validation" / "0.jsonl").rename(tmp_path / "grpo" / "seed0" / "validation" / "5.jsonl")
-    assert study_table.summarize(study_table.study_runs(tmp_path)) == {}
+    assert study_table.summarize(study_table.read_runs(study_table.study_runs(tmp_path))) == {}
 
 
 def test_the_study_writes_its_table_and_answers_beside_the_report(tmp_path):
