@@ -83,6 +83,14 @@ def test_analytic_counts():
     assert paper["spo_tree_rows"] == 356_400 and paper["unique"] == 90_150  # the paper setting: 6-6-6 trees, 30 prompts a step (spo_verl/benchmarks/tokens.py)
 
 
+def test_a_case_whose_tree_does_not_fit_its_response_is_refused_when_defined():
+    """The agent loop's own check, at definition: aligned to 32, segments [16, 16] can take 16 + 31 +
+    32 = 79 tokens, so a 64-token response is refused and an 80-token one is not."""
+    with pytest.raises(ValueError, match=r"can use 79 tokens .* response_length=64"):
+        TreeCase("6-6-6", (16, 16), 64, 1, tree_rollout.THROUGHPUT, align_to_block=32)
+    assert TreeCase("6-6-6", (16, 16), 80, 1, tree_rollout.THROUGHPUT, align_to_block=32).leaves == 216
+
+
 def test_an_engine_iterations_cost_is_fitted_against_its_work():
     """Rounds whose iterations cost exactly 10 ms plus 0.1 ms per token of work give back (10, 0.1)."""
     from spo_verl.benchmarks.rollout import Counts, EngineStats, Side
