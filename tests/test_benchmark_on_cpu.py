@@ -86,7 +86,7 @@ def test_analytic_counts():
 def test_a_case_whose_tree_does_not_fit_its_response_is_refused_when_defined():
     """The agent loop's own check, at definition: aligned to 32, segments [16, 16] can take 16 + 31 +
     32 = 79 tokens, so a 64-token response is refused and an 80-token one is not."""
-    with pytest.raises(ValueError, match=r"can use 79 tokens .* response_length=64"):
+    with pytest.raises(ValueError, match=r"can use 79 tokens .*rollout\.response_length=64"):
         TreeCase("6-6-6", (16, 16), 64, 1, tree_rollout.THROUGHPUT, align_to_block=32)
     assert TreeCase("6-6-6", (16, 16), 80, 1, tree_rollout.THROUGHPUT, align_to_block=32).leaves == 216
 
