@@ -509,7 +509,7 @@ def main(argv=None) -> str:
     parser.add_argument("--skip-rollout", action="store_true", help="no vLLM server: sections 1, 2 and 5b left out")
     parser.add_argument("--skip-packing", action="store_true", help="no verl training engine: skip section 7")
     parser.add_argument("--skip-smollm2-rollout", action="store_true",
-                        help="skip section 1b (the tree rollout on SmolLM2-135M, ~45 minutes; --quick skips it too)")
+                        help="skip section 1b (the tree rollout on SmolLM2-135M, ~60 minutes; --quick skips it too)")
     parser.add_argument("--skip-step", action="store_true",
                         help="skip section 8 (whole training steps of the CPU default, ~20 minutes; --quick skips it too)")
     parser.add_argument("--output", default=None, help="write the Markdown here (e.g. docs/BENCHMARKS.md)")

@@ -7,8 +7,8 @@ the same prompts, on one server (``spo_verl.benchmarks.rollout``), in two regime
   about the same whatever it holds, so the wall time follows the engine iterations on the critical
   path (the longest root-to-leaf path: its tokens, plus one request round trip per segment).
 * **throughput-bound**: enough prompts that either side has hundreds of sequences in flight
-  (up to the server's ``max_num_seqs``); the wall time follows the work, the tokens the engine
-  computes: generated tokens plus the prompt tokens it recomputes (those not served from its prefix
+  (up to the server's ``max_num_seqs``); the wall time is expected to follow the work, the tokens the
+  engine computes: generated tokens plus the prompt tokens it recomputes (those not served from its prefix
   cache). A child's request recomputes the part of its prefix past the last whole cached block, so
   these cases run with segments aligned to the block (``algorithm.spo.tree.align_to_block``) and
   one case without, to show the difference.
@@ -79,11 +79,12 @@ CASES = (
 )
 QUICK_CASES = (TreeCase("2-2", (16,), 32, 1, LATENCY),)
 #: Throughput-bound cases on a real model (SmolLM2-135M, the CPU default's): an engine iteration's
-#: cost grows with its tokens there (measured on two CPU cores: ~120 ms fixed plus ~3.3 ms a token),
-#: unlike the tiny model's, whose iterations cost about the same whatever they hold. Two sizes of the
-#: same trees, 32 and 128 sequences in flight (the fixed part about half and about a fifth of an
-#: iteration), and the paper's 6-6-6 from one prompt (216 sequences; its first two depths hold 6 and
-#: 36). Responses of 64 tokens (80 for 6-6-6) keep seven rounds of all five within about an hour.
+#: cost grows with its tokens there, unlike the tiny model's, whose iterations cost about the same
+#: whatever they hold (least-squares fits on two CPU cores: ~120 ms fixed plus ~3.3 ms a token of work
+#: over the two 32-sequence cases, ~50 ms plus ~5.2 ms over all five; a straight line fits them only
+#: roughly). Two sizes of the same trees, 32 and 128 sequences in flight, and the paper's 6-6-6 from one
+#: prompt (216 sequences; its first two depths hold 6 and 36). Responses of 64 tokens (80 for 6-6-6)
+#: keep seven rounds of all five within about an hour (60 minutes measured).
 SMOLLM2_CASES = (
     TreeCase("2-2", (16,), 64, 8, THROUGHPUT, align_to_block=BLOCK_SIZE),
     TreeCase("4-4", (16,), 64, 2, THROUGHPUT, align_to_block=BLOCK_SIZE),
