@@ -222,3 +222,33 @@ def test_run_spo_chain_cfg_job_shows_the_papers_gsm8k_setting():
                  "train_batch_size: 64", "max_response_length: 1024"]:
         assert line in out, line
     assert "checkpoints -> checkpoints/spo/gsm8k-rhomath-1.1b-spo_chain" in out
+
+
+def test_a_run_whose_ray_timed_out_starting_is_started_once_more(capsys):
+    """Ray's raylet can miss its fixed 30 s to register on a busy machine, before the run starts: the entry
+    point starts it once more, and only then and only once (the failure is injected: Ray cannot be made to
+    time out on demand)."""
+    from spo_verl.trainer.runners import RAY_STARTUP_TIMEOUT, run_with_one_restart
+
+    calls = []
+
+    def run(config, task_runner_class, failures):
+        calls.append((config, task_runner_class))
+        if len(calls) <= failures:
+            raise Exception(f"The current node {RAY_STARTUP_TIMEOUT}. This could happen because ...")
+
+    run_with_one_restart(lambda c, task_runner_class: run(c, task_runner_class, 1), "config", "runner")
+    assert calls == [("config", "runner")] * 2 and "starting it once more" in capsys.readouterr().out
+    calls.clear()
+    with pytest.raises(Exception, match=RAY_STARTUP_TIMEOUT):
+        run_with_one_restart(lambda c, task_runner_class: run(c, task_runner_class, 2), "config", "runner")
+    assert len(calls) == 2
+    calls.clear()
+
+    def another_failure(config, task_runner_class):
+        calls.append(config)
+        raise ValueError("another failure")
+
+    with pytest.raises(ValueError, match="another failure"):
+        run_with_one_restart(another_failure, "config", "runner")
+    assert len(calls) == 1

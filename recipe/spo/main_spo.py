@@ -2,7 +2,8 @@
 
 Composes verl 0.9.1's ``ppo_trainer`` configuration with ``config/spo_trainer.yaml``, validates the
 SPO settings and verl's own settings before anything starts, then runs verl's ``run_ppo`` with a
-TaskRunner that trains with SPO (default v1 trainer, or the legacy one with ``trainer.use_v1=false``).
+TaskRunner that trains with SPO (default v1 trainer, or the legacy one with ``trainer.use_v1=false``),
+once more if Ray itself timed out starting.
 """
 
 import hydra
@@ -11,7 +12,7 @@ from verl.trainer.ppo.utils import need_critic, need_reference_policy
 from verl.utils.config import validate_config
 from verl.utils.device import auto_set_device
 
-from spo_verl.trainer.runners import task_runner_for
+from spo_verl.trainer.runners import run_with_one_restart, task_runner_for
 from spo_verl.trainer.validation import validate_spo_run
 
 
@@ -20,7 +21,7 @@ def main(config):
     auto_set_device(config)
     validate_spo_run(config)
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
-    run_ppo(config, task_runner_class=task_runner_for(config))
+    run_with_one_restart(run_ppo, config, task_runner_for(config))
 
 
 if __name__ == "__main__":

@@ -75,3 +75,20 @@ SPOLegacyTaskRunner = ray.remote(num_cpus=1)(_SPOLegacyTaskRunner)
 
 def task_runner_for(config):
     return SPOTaskRunnerV1 if config.trainer.get("use_v1", True) else SPOLegacyTaskRunner
+
+
+# Ray's raylet must register with its GCS within a fixed 30 s (``ray._private.node``); on a machine whose
+# cores are all busy (several CPU runs at once) it sometimes does not, before anything of the run started.
+RAY_STARTUP_TIMEOUT = "timed out during startup"
+
+
+def run_with_one_restart(run, config, task_runner_class) -> None:
+    """``run(config, task_runner_class=...)`` (verl's ``run_ppo``), started once more if Ray itself timed
+    out during its start-up: nothing of the run had started, so a second start is safe."""
+    try:
+        run(config, task_runner_class=task_runner_class)
+    except Exception as error:
+        if RAY_STARTUP_TIMEOUT not in str(error) or ray.is_initialized():
+            raise
+        print(f"spo: Ray did not start in time ({error}); starting it once more", flush=True)
+        run(config, task_runner_class=task_runner_class)
