@@ -2,12 +2,20 @@
 session (``spo_verl/testing/verl_server.py``: Ray, one standalone ``vLLMReplica`` and verl's
 ``LLMServerClient``; about a minute to start on two cores).
 
-The server is lazy: it starts when the first test that asks for ``verl_server``, ``llm_client`` or
-``recording_client`` runs, and those tests run after all others (see
-:func:`pytest_collection_modifyitems`), so Ray runs in the pytest process only at the end, after the
-tests that start and stop Ray themselves. Async tests that use the server run in the session event
-loop: mark them with ``pytest.mark.asyncio(loop_scope="session")``."""
+The suite runs in three tiers, so that a broken unit costs minutes, not the whole run
+(:func:`pytest_collection_modifyitems`): the unit and seam tests; then the tests that use verl's server
+(it starts lazily when the first of them runs, so Ray runs in the pytest process only after the tests
+that start and stop Ray themselves); then the end-to-end runs of verl's whole trainer
+(``@pytest.mark.end_to_end``), which start only when every test before them passed, after the server is
+shut down. Async tests that use the server run in the session event loop: mark them with
+``pytest.mark.asyncio(loop_scope="session")``.
 
+Each end-to-end run records its wall time and phases through :func:`run_times`; the table is printed
+at the end of the session (tests/README.md)."""
+
+from __future__ import annotations
+
+import json
 from pathlib import Path
 
 import pytest
@@ -17,13 +25,67 @@ from spo_verl.testing import verl_server as verl_server_module
 from spo_verl.cpu_settings.tiny_model import build_tiny_qwen2, build_tiny_tokenizer
 
 SERVER_FIXTURE = "verl_server"
+END_TO_END = "end_to_end"
+RUN_TIMES = pytest.StashKey[Path]()
+RUNNING_SERVERS: list = []  # verl servers this session started and has not shut down
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", f"{END_TO_END}: a run of verl's whole trainer through the run scripts "
+                                       "(minutes; the fast tier deselects them with -m 'not end_to_end')")
+
+
+def _tier(item) -> int:
+    if item.get_closest_marker(END_TO_END):
+        return 2
+    return 1 if SERVER_FIXTURE in getattr(item, "fixturenames", ()) else 0
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Tests that use verl's server (and so the in-process Ray it starts) run last, in their order."""
-    others = [item for item in items if SERVER_FIXTURE not in getattr(item, "fixturenames", ())]
-    users = [item for item in items if SERVER_FIXTURE in getattr(item, "fixturenames", ())]
-    items[:] = others + users
+    """Unit and seam tests first, then the tests that use verl's server, then the end-to-end runs;
+    each tier keeps its order."""
+    items.sort(key=_tier)
+
+
+def pytest_runtest_setup(item):
+    """The end-to-end runs start their own Ray and vLLM: the session's server (memory, a Ray instance
+    in this process) is no longer needed by then (no server test runs after them)."""
+    if item.get_closest_marker(END_TO_END):
+        while RUNNING_SERVERS:
+            RUNNING_SERVERS.pop().shutdown()
+
+
+class RunTimes:
+    """Wall time and phases of each end-to-end run, one JSON line each in ``path``."""
+
+    COLUMNS = ("wall_s", "start_up_s", "steps_s", "validation_s", "checkpoint_s", "steps")
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def record(self, run: str, **phases) -> None:
+        with open(self.path, "a") as out:
+            out.write(json.dumps({"run": run, **phases}) + "\n")
+
+
+@pytest.fixture(scope="session")
+def run_times(request, tmp_path_factory) -> RunTimes:
+    path = tmp_path_factory.getbasetemp() / "end_to_end_run_times.jsonl"
+    request.config.stash[RUN_TIMES] = path
+    return RunTimes(path)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    path = config.stash.get(RUN_TIMES, None)
+    if path is None or not path.exists():
+        return
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    terminalreporter.section("end-to-end runs: seconds by phase (start-up includes shutdown)")
+    terminalreporter.write_line(f"{'run':<36}" + "".join(f"{c.removesuffix('_s'):>12}" for c in RunTimes.COLUMNS))
+    for row in rows:
+        terminalreporter.write_line(f"{row['run']:<36}" + "".join(f"{row.get(c, 0):>12.0f}" for c in RunTimes.COLUMNS))
+    total = sum(row["wall_s"] for row in rows)
+    terminalreporter.write_line(f"{len(rows)} runs, {total:.0f} s of run time in all (several run at once)")
 
 
 @pytest.fixture(scope="session")
@@ -49,10 +111,13 @@ def smollm2_cache(tmp_path_factory):
 async def verl_server(tiny_model):
     """verl's vLLM server replica for the tiny model (:class:`spo_verl.testing.verl_server.VerlServer`)."""
     server = await verl_server_module.start_verl_server(tiny_model[0])
+    RUNNING_SERVERS.append(server)
     try:
         yield server
     finally:
-        server.shutdown()
+        if server in RUNNING_SERVERS:
+            RUNNING_SERVERS.remove(server)
+            server.shutdown()
 
 
 @pytest.fixture

@@ -4,13 +4,16 @@ verl's TaskRunner and Ray worker groups, the FSDP2 engine training on gloo, verl
 vLLM's CPU backend, verl's GSM8K reward, the SPO advantage step and loss, and verl's actor -> vLLM
 weight sync, on the tiny ``cpu-tiny`` setting (spo_verl/cpu_settings/tiny.py). The README's command, with
 no settings, trains the CPU default (``cpu-smollm2``: SmolLM2-135M, whose tied head must sync into
-vLLM), and the study command ``scripts/compare.sh --quick`` is stopped after its first checkpoint,
-resumed and run once more, report included.
+vLLM), and the study command ``scripts/compare.sh --quick`` (SPO-tree, then the tree that forks at
+cutpoints) is stopped after its first checkpoint, resumed and run once more, report included.
 
-Every (trainer, algorithm) run trains 2 steps, validates and checkpoints at step 2, then a second
-run resumes from that checkpoint and trains step 3. The runs start verl and vLLM from scratch
-(about 2-3 minutes each on two cores, mostly process start-up), so they run a few at a time
-(``SPO_E2E_PARALLEL``, default 3) in one module fixture, and each test reads its run's results.
+A run costs about two minutes of two cores, almost all of it verl, Ray and vLLM starting (the table
+at the end of the session splits each run's time by phase), so each run covers every seam its
+configuration can show, and a resumed run is started only where resuming has its own code: once per
+trainer (the study's resume is the v1 trainer's). tests/README.md maps each seam to the run that
+covers it; adding a case is a row there and a line in ``CASES``. Each case trains 2 steps, validates
+and checkpoints at step 2, and its resumed run (where it has one) trains step 3. The runs go a few at a
+time (``SPO_E2E_PARALLEL``, default 3) in one module fixture, and each test reads its run's results.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ import torch
 from spo_verl.cpu_settings import tiny as cpu_default
 from spo_verl.metrics_log import read_logged_steps
 
+pytestmark = pytest.mark.end_to_end
+
 REPO = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 900
 PARALLEL_RUNS = int(os.environ.get("SPO_E2E_PARALLEL", "3"))
@@ -41,41 +46,84 @@ TREE_LEAF_SLOTS = 9  # its tree is 3-3; its cutpoint tree has at most 3 x (1 + 2
 # fp32 actor and fp32 vLLM: after an update and a weight sync, rollout and actor probabilities of the
 # same tokens agree to float32 rounding (about 1e-6 measured); a stale or broken sync is off by >1e-2.
 SYNC_BOUND = 1e-4
+VALIDATION_KEY = "val-core/openai/gsm8k/acc/mean@1"
 
-# (test id, run script, ALGORITHM or None for the script's own, extra Hydra overrides, overrides of
-# the first run only). Two first runs are allowed 6 steps but stop after step 2 because their
-# generated-token budget (1 token) is reached after step 1: the equal-cost stop on both trainers.
-BUDGET_STOP = ["trainer.total_training_steps=6", "algorithm.spo.generated_token_budget=1"]
+# A first run allowed 6 steps stops after step 2 because its generated-token budget (1 token) is
+# reached after step 1: the equal-cost stop.
+BUDGET_STOP = ("trainer.total_training_steps=6", "algorithm.spo.generated_token_budget=1")
 # The CPU settings pack every micro-batch (each unique token once) and, on the v1 trainer, take vLLM's
 # log-probs as the old log-probs (verl's bypass mode); CHECK adds the per-row check of the first update.
-CHECK = ["algorithm.spo.packed_training_check=true"]
+CHECK = ("algorithm.spo.packed_training_check=true",)
 # verl's per-row forwards and recomputed old log-probs, as before packing existed.
-PER_ROW = ["algorithm.spo.packed_training=false", "algorithm.rollout_correction.bypass_mode=false"]
+PER_ROW = ("algorithm.spo.packed_training=false", "algorithm.rollout_correction.bypass_mode=false")
+LEGACY = ("trainer.use_v1=false",)
 # verl's default FSDP mixed precision (bfloat16 forward and backward, float32 reduction), the GPU's
 # precision path; old log-probs recomputed, since the rollout's (float32) no longer equal the actor's.
-VERL_MIXED_PRECISION = [
+VERL_MIXED_PRECISION = tuple(
     f"actor_rollout_ref.{role}.fsdp_config.mixed_precision={{param_dtype:bf16,reduce_dtype:fp32,buffer_dtype:fp32}}"
     for role in ("actor", "ref")
-] + ["algorithm.rollout_correction.bypass_mode=false"]
+) + ("algorithm.rollout_correction.bypass_mode=false",)
 # Packed and per-row forwards agree to float32 rounding (measured ~3e-6 in log-prob at down to -20).
 PACKED_LOG_PROB_BOUND = 2e-5
 # In bfloat16 the actor differs from float32 vLLM and packed from per-row by bfloat16 rounding: a
 # log-prob near -10 is held to about 0.04, and the largest difference over a step's few hundred
 # tokens was 0.065 (packed vs per-row) and 0.011 in probability (rollout vs actor) in a trial run.
 BF16_BOUND = 0.25
+
+
+@dataclass(frozen=True)
+class TrainerCase:
+    """One run of a run script on cpu-tiny (and, with ``resumed``, a second run that resumes from its
+    step-2 checkpoint)."""
+
+    id: str  # "<trainer>-<algorithm>[-variant]"
+    script: str
+    algorithm: str | None  # ALGORITHM, or None for the script's own
+    overrides: tuple[str, ...] = ()
+    first_only: tuple[str, ...] = ()  # overrides of the first run only
+    resumed: bool = False
+
+
 CASES = [
-    ("v1-spo_tree", "run_spo_tree.sh", None, CHECK, []),
-    ("v1-spo_tree-per_row", "run_spo_tree.sh", None, PER_ROW, []),
-    ("v1-spo_chain", "run_spo_chain.sh", None, CHECK, []),
-    ("v1-grpo", "run_grpo.sh", None, CHECK, BUDGET_STOP),
-    ("v1-grpo_prob_mask-bf16", "run_grpo.sh", "grpo_prob_mask", [*CHECK, *VERL_MIXED_PRECISION], []),
-    ("v1-ppo", "run_grpo.sh", "ppo", CHECK, []),
-    ("v1-spo_tree_cutpoint", "run_spo_tree.sh", "spo_tree_cutpoint", CHECK, []),
+    TrainerCase("v1-spo_chain", "run_spo_chain.sh", None, CHECK),
+    # Plain GRPO on verl's own per-row forward and old-log-prob pass: verl as it is, with the plugin's
+    # token count and budget.
+    TrainerCase("v1-grpo-per_row", "run_grpo.sh", None, PER_ROW, BUDGET_STOP),
+    TrainerCase("v1-grpo_prob_mask-bf16", "run_grpo.sh", "grpo_prob_mask", CHECK + VERL_MIXED_PRECISION),
+    TrainerCase("v1-ppo", "run_grpo.sh", "ppo", CHECK),
     # The legacy trainer's tree path (a leaf row per session, stand-in rows that train nothing) with a
-    # tree that forks at cutpoints: its unused slots are the stand-ins.
-    ("legacy-spo_tree_cutpoint", "run_spo_tree.sh", "spo_tree_cutpoint", ["trainer.use_v1=false", *CHECK], []),
-    ("legacy-spo_chain", "run_spo_chain.sh", None, ["trainer.use_v1=false", *CHECK], BUDGET_STOP),
+    # tree that forks at cutpoints: its unused slots are the stand-ins. Resumed: the legacy trainer's own
+    # checkpoint loading.
+    TrainerCase("legacy-spo_tree_cutpoint", "run_spo_tree.sh", "spo_tree_cutpoint", LEGACY + CHECK, BUDGET_STOP,
+                resumed=True),
 ]
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What a run's configuration lets its steps show."""
+
+    algorithm: str
+    trainer: str = "v1"
+    bf16: bool = False
+    per_row: bool = False
+    checked: bool = False  # the first actor update of each process ran the per-row check
+
+    @classmethod
+    def of(cls, case: TrainerCase) -> "Expect":
+        trainer, algorithm = case.id.split("-")[:2]
+        overrides = case.overrides
+        return cls(algorithm, trainer, bf16=VERL_MIXED_PRECISION[0] in overrides, per_row=PER_ROW[0] in overrides,
+                   checked=CHECK[0] in overrides)
+
+    @property
+    def bypass(self) -> bool:
+        """vLLM's log-probs are the old ones (v1 only; fp32 on both sides; not with verl's per-row pass)."""
+        return self.trainer == "v1" and not self.bf16 and not self.per_row
+
+    @property
+    def bound(self) -> float:
+        return BF16_BOUND if self.bf16 else PACKED_LOG_PROB_BOUND
 
 
 def _sync_gap(data: dict) -> float | None:
@@ -91,11 +139,22 @@ def _sync_gap(data: dict) -> float | None:
 class Run:
     returncode: int
     log: Path
-    metrics: Path
+    metrics: list[Path]  # verl's metrics file of each trainer the run started
     seconds: float
 
     def steps(self) -> dict[int, dict]:
-        return dict(read_logged_steps(self.metrics)) if self.metrics.exists() else {}
+        """The training steps of its (first) trainer: step 0, a validation before training, left out."""
+        return {step: data for step, data in read_logged_steps(self.metrics[0]) if step > 0} if self.metrics else {}
+
+    def phases(self) -> dict[str, float]:
+        """Seconds by phase from verl's own timers (a step's timer includes its checkpoint); the rest
+        of the wall time is start-up and shutdown (with any validation before training)."""
+        steps = [data for path in self.metrics for step, data in read_logged_steps(path) if step > 0]
+        checkpoint = sum(data.get("timing_s/save_checkpoint", 0.0) for data in steps)
+        training = sum(data.get("timing_s/step", 0.0) for data in steps) - checkpoint
+        validation = sum(data.get("timing_s/testing", 0.0) for data in steps)
+        return {"wall_s": self.seconds, "start_up_s": self.seconds - training - checkpoint - validation,
+                "steps_s": training, "validation_s": validation, "checkpoint_s": checkpoint, "steps": len(steps)}
 
     def failure(self) -> str:
         return f"exit {self.returncode}; last lines of {self.log}:\n" + "\n".join(self.log.read_text().splitlines()[-40:])
@@ -109,38 +168,29 @@ class Case:
     extra: dict = field(default_factory=dict)
 
 
-# Ray's own start-up can time out on a loaded two-core machine before verl runs at all (its raylet
-# waits a fixed time for its agents); such a run is started once more. Any other failure counts.
-RAY_STARTUP_FAILURE = "timed out during startup"
-
-
 def _launch(script: str, env: dict, args: list[str], log: Path, metrics: Path) -> Run:
     started = time.perf_counter()
-    for attempt in (1, 2):
-        with open(log, "w") as out:
-            process = subprocess.run(
-                ["bash", f"scripts/{script}", *args], cwd=REPO, env={**env, "VERL_FILE_LOGGER_PATH": str(metrics)},
-                stdout=out, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S,
-            )
-        if process.returncode == 0 or RAY_STARTUP_FAILURE not in log.read_text() or metrics.exists():
-            break
-    return Run(process.returncode, log, metrics, time.perf_counter() - started)
+    with open(log, "w") as out:
+        process = subprocess.run(
+            ["bash", f"scripts/{script}", *args], cwd=REPO, env={**env, "VERL_FILE_LOGGER_PATH": str(metrics)},
+            stdout=out, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S,
+        )
+    return Run(process.returncode, log, [metrics], time.perf_counter() - started)
 
 
-def _run_case(case_id: str, script: str, algorithm: str | None, overrides: list[str], first_only: list[str],
-              cache: Path, work: Path) -> Case:
+def _run_case(case: TrainerCase, cache: Path, work: Path) -> Case:
     work.mkdir(parents=True)
     env = {**os.environ, "SPO_CPU_CACHE": str(cache), "CHECKPOINT_DIR": str(work / "checkpoints"),
-           "TENSORBOARD_DIR": str(work / "tensorboard"), "EXPERIMENT_NAME": case_id}
+           "TENSORBOARD_DIR": str(work / "tensorboard"), "EXPERIMENT_NAME": case.id}
     env["SETTING"] = "cpu-tiny"  # the tiny model: these runs check verl's paths, not learning
-    if algorithm:
-        env["ALGORITHM"] = algorithm
-    first = _launch(script, {**env, "TOTAL_TRAINING_STEPS": "2", "SAVE_FREQ": "2", "TEST_FREQ": "2"},
-                    [*overrides, *first_only], work / "first.log", work / "first.jsonl")
+    if case.algorithm:
+        env["ALGORITHM"] = case.algorithm
+    first = _launch(case.script, {**env, "TOTAL_TRAINING_STEPS": "2", "SAVE_FREQ": "2", "TEST_FREQ": "2"},
+                    [*case.overrides, *case.first_only], work / "first.log", work / "first.jsonl")
     resumed = None
-    if first.returncode == 0:
-        resumed = _launch(script, {**env, "TOTAL_TRAINING_STEPS": "3", "SAVE_FREQ": "-1", "TEST_FREQ": "-1"},
-                          [*overrides, "trainer.resume_mode=auto"], work / "resumed.log", work / "resumed.jsonl")
+    if case.resumed and first.returncode == 0:
+        resumed = _launch(case.script, {**env, "TOTAL_TRAINING_STEPS": "3", "SAVE_FREQ": "-1", "TEST_FREQ": "-1"},
+                          [*case.overrides, "trainer.resume_mode=auto"], work / "resumed.log", work / "resumed.jsonl")
     return Case(first, resumed, work / "checkpoints")
 
 
@@ -156,26 +206,35 @@ def _run_readme_command(work: Path, smollm2_folder: Path) -> Run:
         process = subprocess.run(["bash", "scripts/run_spo_tree.sh"], cwd=REPO, env=env, stdout=out,
                                  stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S)
     metrics = re.search(r"^spo: logs -> .* and (\S+); checkpoints", log.read_text(), re.MULTILINE)
-    return Run(process.returncode, log, REPO / metrics.group(1) if metrics else Path(), time.perf_counter() - started)
+    return Run(process.returncode, log, [REPO / metrics.group(1)] if metrics else [], time.perf_counter() - started)
+
+
+STUDY_ALGORITHMS = ("spo_tree", "spo_tree_cutpoint")  # what --quick trains, in its order
 
 
 @dataclass
 class Study:
     """``scripts/compare.sh --quick`` stopped after its first checkpoint, run again (it resumes and
-    finishes), and run a third time (it skips the finished run)."""
+    finishes, then trains the cutpoint tree), and run a third time (it skips the finished runs)."""
 
     killed: Run
     resumed: Run
     again: Run
-    folder: Path
+    output: Path
+
+    def folder(self, algorithm: str) -> Path:
+        return self.output / algorithm / "seed0"
 
 
 def _run_study(work: Path, cache: Path) -> Study:
     env = {k: v for k, v in os.environ.items() if k not in ("SETTING", "ALGORITHM", "VERL_FILE_LOGGER_PATH")}
     env["SPO_CPU_CACHE"] = str(cache)
-    command = ["bash", "scripts/compare.sh", "--quick", "--max-steps", "3", "--val-every", "1", "--output-dir", str(work)]
-    folder = work / "spo_tree" / "seed0"
-    marker = folder / "checkpoints" / "latest_checkpointed_iteration.txt"
+    # The study's runs are the v1 trainer's SPO-tree cases too: the per-row check of each process's first update.
+    command = ["bash", "scripts/compare.sh", "--quick", "--max-steps", "3", "--val-every", "1", "--output-dir", str(work),
+               "--", *CHECK]
+    tree, cutpoint = (work / algorithm / "seed0" for algorithm in STUDY_ALGORITHMS)
+    marker = tree / "checkpoints" / "latest_checkpointed_iteration.txt"
+    trained = ([tree / "metrics-attempt1.jsonl"], [tree / "metrics-attempt2.jsonl", cutpoint / "metrics-attempt1.jsonl"], [])
     runs = []
     for attempt in range(3):
         log = work.parent / f"study-{attempt}.log"
@@ -184,15 +243,15 @@ def _run_study(work: Path, cache: Path) -> Study:
             process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
             deadline = time.monotonic() + RUN_TIMEOUT_S
             while process.poll() is None and time.monotonic() < deadline:
-                logged = [step for step, _ in read_logged_steps(folder / "metrics-attempt1.jsonl")] if attempt == 0 else []
+                logged = [step for step, _ in read_logged_steps(tree / "metrics-attempt1.jsonl")] if attempt == 0 else []
                 if attempt == 0 and marker.exists() and marker.read_text().strip() not in ("", "0") and 1 in logged:
                     process.terminate()  # as a scheduler ends a job: SIGTERM, once step 1 is checkpointed and logged
                 time.sleep(1)
             if process.poll() is None:
                 process.kill()
             process.wait()
-        runs.append(Run(process.returncode, log, folder / "metrics.jsonl", time.perf_counter() - started))
-    return Study(*runs, folder)
+        runs.append(Run(process.returncode, log, trained[attempt], time.perf_counter() - started))
+    return Study(*runs, work)
 
 
 class RunSlots:
@@ -225,27 +284,30 @@ def _in_slots(slots: RunSlots, wanted: int, run, *args):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, smollm2_cache):
+def runs(request, tmp_path_factory, smollm2_cache, run_times):
+    failed = request.session.testsfailed
+    if failed and not os.environ.get("SPO_E2E_AFTER_FAILURES"):
+        pytest.fail(f"end-to-end runs not started: {failed} earlier test(s) failed; fix them first "
+                    "(SPO_E2E_AFTER_FAILURES=1 starts the runs anyway)", pytrace=False)
     work = tmp_path_factory.mktemp("e2e")
     cache = work / "cpu-tiny"
     cpu_default.build(cache)  # once, before the runs that share it
     slots = RunSlots(PARALLEL_RUNS)
     with ThreadPoolExecutor(max_workers=PARALLEL_RUNS) as pool:
-        # The longest run first, so it starts at once and the short ones fill the slots around it.
-        readme = pool.submit(_in_slots, slots, 2, _run_readme_command, work / "readme", smollm2_cache["folder"])
+        # The longest runs first, so they start at once and the short ones fill the slots around them.
         study = pool.submit(_in_slots, slots, 1, _run_study, work / "study", cache)
-        futures = {
-            case_id: pool.submit(_in_slots, slots, 1, _run_case, case_id, script, algorithm, overrides, first_only,
-                                 cache, work / case_id)
-            for case_id, script, algorithm, overrides, first_only in CASES
-        }
+        readme = pool.submit(_in_slots, slots, 2, _run_readme_command, work / "readme", smollm2_cache["folder"])
+        futures = {case.id: pool.submit(_in_slots, slots, 1, _run_case, case, cache, work / case.id) for case in CASES}
         results = {case_id: future.result() for case_id, future in futures.items()}
         results["readme"] = readme.result()
         results["study"] = study.result()
-    summary = {k: round(v.first.seconds if isinstance(v, Case) else
-                        sum(r.seconds for r in (v.killed, v.resumed, v.again)) if isinstance(v, Study) else v.seconds)
-               for k, v in results.items()}
-    print(f"end-to-end run seconds: {json.dumps(summary)}")
+    for name, result in results.items():
+        named = ({"first": result.first, "resumed": result.resumed} if isinstance(result, Case) else
+                 {"killed": result.killed, "resumed": result.resumed, "again": result.again} if isinstance(result, Study)
+                 else {"run": result})
+        for part, run in named.items():
+            if run is not None:
+                run_times.record(f"{name}/{part}", **run.phases())
     return results
 
 
@@ -264,9 +326,9 @@ def _assert_actor_updated_or_had_nothing_to_train(step: int, data: dict) -> None
 
 
 def _assert_packed_training(steps: dict[int, dict], bound: float, checked_first: bool) -> None:
-    """Each actor update packed its micro-batches (fewer tokens through the model than the rows hold;
-    the old and reference log-probs were packed too), and with ``checked_first`` the first one also
-    ran per row and found the same log-probs and loss."""
+    """Each actor update of one process packed its micro-batches (fewer tokens through the model than
+    the rows hold; the old and reference log-probs were packed too), and with ``checked_first`` the
+    first one also ran per row and found the same log-probs and loss."""
     updates = [step for step in sorted(steps) if "actor/pg_loss" in steps[step]]
     assert updates, "no actor update"
     for step in updates:
@@ -287,36 +349,18 @@ def _assert_packed_training(steps: dict[int, dict], bound: float, checked_first:
     assert first["spo/packing/check/loss_max_abs_diff"] < bound
 
 
-def _actor_weights_changed(checkpoints: Path, base_model: Path) -> float:
-    """Largest absolute difference between the step-2 actor checkpoint and the base model."""
-    from safetensors.torch import load_file
-
-    saved = torch.load(checkpoints / "global_step_2" / "actor" / "model_world_size_1_rank_0.pt", weights_only=False)
-    base = load_file(str(base_model / "model.safetensors"))
-    return max(
-        float((value.full_tensor() if hasattr(value, "full_tensor") else value).float().sub(base[name].float()).abs().max())
-        for name, value in saved.items()
-    )
-
-
-@pytest.mark.parametrize("case_id", [case[0] for case in CASES])
-def test_trains_validates_checkpoints_and_resumes(runs, case_id):
-    case: Case = runs[case_id]
-    assert case.first.returncode == 0, case.first.failure()
-    steps = case.first.steps()
-    assert sorted(steps) == [1, 2], f"steps logged: {sorted(steps)}"
-    algorithm = case_id.split("-")[1]
-
-    bf16 = case_id.endswith("-bf16")
-    bypass = case_id.startswith("v1-") and not bf16 and "per_row" not in case_id
+def _assert_trained(steps: dict[int, dict], expect: Expect, processes: list[dict[int, dict]]) -> None:
+    """Every check a cpu-tiny run's training steps allow: updates, weight sync, advantages, generated
+    tokens, the algorithm's own metrics, packing. ``processes``: the steps of each trainer process
+    (a run resumed by the study has two), for the checks that concern a process's first update."""
     for step, data in steps.items():
         _assert_actor_updated_or_had_nothing_to_train(step, data)
         # The rollout and the actor computed the same tokens' probabilities with the same weights
-        # (step 2's rollout came from the weights step 1 trained, synced into vLLM).
+        # (a later step's rollout came from the weights the step before trained, synced into vLLM).
         gap = _sync_gap(data)
         if gap is not None or "actor/pg_loss" in data:
-            assert gap < (BF16_BOUND if bf16 else SYNC_BOUND), (step, gap)
-        if bypass:  # no old-log-prob pass: vLLM's log-probs are the old ones (verl still times the copy)
+            assert gap < (BF16_BOUND if expect.bf16 else SYNC_BOUND), (step, gap)
+        if expect.bypass:  # no old-log-prob pass: vLLM's log-probs are the old ones (verl still times the copy)
             assert "training/rollout_probs_diff_max" not in data and data["timing_s/old_log_prob"] < 1.0, step
             if "actor/pg_loss" in data:
                 # The probability mask from vLLM's probabilities is the actor's (a token within ~1e-5 of
@@ -331,8 +375,8 @@ def test_trains_validates_checkpoints_and_resumes(runs, case_id):
 
     # Generated tokens of every algorithm, each tree node once, chains with their MC continuations.
     assert all(data["spo/generated_tokens"] > 0 for data in steps.values())
-    assert steps[2]["spo/generated_tokens_cumulative"] == steps[1]["spo/generated_tokens"] + steps[2]["spo/generated_tokens"]
-    last = steps[2]
+    last = steps[max(steps)]
+    algorithm = expect.algorithm
     if algorithm.startswith("spo_tree"):
         assert last["spo/generated_tokens"] == last["spo/tree/generated_tokens"]
         assert last["spo/tree/trees"] == TRAIN_BATCH
@@ -344,9 +388,10 @@ def test_trains_validates_checkpoints_and_resumes(runs, case_id):
         assert last["spo/tree/segment_tokens_mean"] == pytest.approx(last["spo/tree/generated_tokens"] / nodes)
     if algorithm == "spo_tree":
         # 3 depth-1 nodes, each either a leaf (early EOS) or the parent of 3 leaves.
-        internal = last["spo/tree/nodes_per_tree"] - last["spo/tree/leaves_per_tree"]
-        assert last["spo/tree/nodes_per_tree"] >= 3 and 0 <= internal <= 3
-        assert last["spo/tree/leaves_per_tree"] == 3 + 2 * internal  # an internal node's 3 leaves replace it
+        for data in steps.values():
+            internal = data["spo/tree/nodes_per_tree"] - data["spo/tree/leaves_per_tree"]
+            assert data["spo/tree/nodes_per_tree"] >= 3 and 0 <= internal <= 3
+            assert data["spo/tree/leaves_per_tree"] == 3 + 2 * internal  # an internal node's 3 leaves replace it
     if algorithm == "spo_tree_cutpoint":
         # 3 responses, each forking at most twice into one continuation: 3-9 paths, one leaf each.
         for data in steps.values():
@@ -365,26 +410,49 @@ def test_trains_validates_checkpoints_and_resumes(runs, case_id):
         assert all(0 < data["spo/prob_mask/masked_fraction"] < 1 for data in steps.values())
     else:
         # Baselines: token counts, and what the packed forward and the old-log-prob probe report.
-        spo_keys = {key for key in last if key.startswith("spo/")}
+        spo_keys = {key for data in steps.values() for key in data if key.startswith("spo/")}
         other = {key for key in spo_keys if not key.startswith(("spo/packing/", "spo/old_log_probs/"))}
         assert other == {"spo/generated_tokens", "spo/generated_tokens_cumulative"}, spo_keys
     if algorithm == "ppo":
         assert _finite(last.get("critic/vf_loss"))
-    if "per_row" in case_id:
+    if expect.per_row:
         assert not any(key.startswith("spo/packing/") for data in steps.values() for key in data)
     else:
-        overrides = next(case[3] for case in CASES if case[0] == case_id)
-        _assert_packed_training(steps, BF16_BOUND if bf16 else PACKED_LOG_PROB_BOUND, CHECK[0] in overrides)
+        for process in processes:
+            _assert_packed_training(process, expect.bound, expect.checked)
 
+
+def _actor_weights_changed(checkpoints: Path, base_model: Path) -> float:
+    """Largest absolute difference between the step-2 actor checkpoint and the base model."""
+    from safetensors.torch import load_file
+
+    saved = torch.load(checkpoints / "global_step_2" / "actor" / "model_world_size_1_rank_0.pt", weights_only=False)
+    base = load_file(str(base_model / "model.safetensors"))
+    return max(
+        float((value.full_tensor() if hasattr(value, "full_tensor") else value).float().sub(base[name].float()).abs().max())
+        for name, value in saved.items()
+    )
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
+def test_trains_validates_and_checkpoints(runs, case):
+    result: Case = runs[case.id]
+    assert result.first.returncode == 0, result.first.failure()
+    steps = result.first.steps()
+    assert sorted(steps) == [1, 2], f"steps logged: {sorted(steps)}"
+    _assert_trained(steps, Expect.of(case), [steps])
+    assert steps[2]["spo/generated_tokens_cumulative"] == steps[1]["spo/generated_tokens"] + steps[2]["spo/generated_tokens"]
     # Validation at step 2 with verl's GSM8K reward on the held-out problems.
-    assert "val-core/openai/gsm8k/acc/mean@1" in last
-    # The actor's weights moved away from the base model.
-    cache_model = Path(case.first.log).parents[1] / "cpu-tiny" / "model"
-    assert _actor_weights_changed(case.checkpoints, cache_model) > 0
-    # Checkpoint at step 2, and a second run resumed from it to train step 3 only.
-    assert (case.checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
-    assert case.resumed is not None and case.resumed.returncode == 0, case.resumed.failure()
-    assert sorted(case.resumed.steps()) == [3]
+    assert VALIDATION_KEY in steps[2]
+    # The actor's weights moved away from the base model, and the checkpoint is at step 2.
+    cache_model = Path(result.first.log).parents[1] / "cpu-tiny" / "model"
+    assert _actor_weights_changed(result.checkpoints, cache_model) > 0
+    assert (result.checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    if case.resumed:  # a second run resumed from that checkpoint to train step 3 only
+        assert result.resumed is not None and result.resumed.returncode == 0, result.resumed.failure()
+        assert sorted(result.resumed.steps()) == [3]
+    else:
+        assert result.resumed is None
 
 
 def test_readme_run_script_trains_the_real_model_on_cpu(runs):
@@ -408,14 +476,15 @@ def test_readme_run_script_trains_the_real_model_on_cpu(runs):
             assert _sync_gap(data) < SYNC_BOUND, (step, _sync_gap(data))
             assert data["spo/packing/packed_tokens"] < 0.5 * data["spo/packing/row_tokens"], step
         assert data["spo/tree/trees"] == 4 and data["spo/generated_tokens"] == data["spo/tree/generated_tokens"] > 0
-    assert "val-core/openai/gsm8k/acc/mean@1" in steps[2] and "val-core/openai/gsm8k/acc/mean@1" in steps[4]
+    assert VALIDATION_KEY in steps[2] and VALIDATION_KEY in steps[4]
 
 
 def test_study_resumes_a_killed_run_and_skips_a_finished_one(runs):
     study: Study = runs["study"]
+    folder = study.folder("spo_tree")
     # Stopped (SIGTERM) once its first checkpoint was written: the run stopped with it.
     assert study.killed.returncode != 0, study.killed.failure()
-    first = read_logged_steps(study.folder / "metrics-attempt1.jsonl")
+    first = read_logged_steps(folder / "metrics-attempt1.jsonl")
     assert first and first[0][0] == 0, "the first attempt validated the base model (step 0)"
     # Run again: resumed from that checkpoint with the tokens spent so far off the budget, finished.
     assert study.resumed.returncode == 0, study.resumed.failure()
@@ -426,13 +495,13 @@ def test_study_resumes_a_killed_run_and_skips_a_finished_one(runs):
     assert match, resumed_log[-2000:]
     resumed_from, spent = int(match.group(1)), int(match.group(2).replace(",", ""))
     assert resumed_from >= 1
-    attempts = json.loads((study.folder / "attempts.json").read_text())
+    attempts = json.loads((folder / "attempts.json").read_text())
     assert [a["resumed_from"] for a in attempts] == [0, resumed_from]
     assert all(a["process_group"] > 0 for a in attempts)
-    second = dict(read_logged_steps(study.folder / "metrics-attempt2.jsonl"))
+    second = dict(read_logged_steps(folder / "metrics-attempt2.jsonl"))
     assert min(second) == resumed_from + 1, "the resumed attempt starts after its checkpoint"
     # The merged metrics: every step once, the cumulative count recomputed over the attempts.
-    steps = study.resumed.steps()
+    steps = dict(read_logged_steps(folder / "metrics.jsonl"))
     assert sorted(steps) == list(range(0, max(steps) + 1)) and max(steps) > resumed_from
     cumulative = 0.0
     for step in sorted(steps)[1:]:
@@ -440,9 +509,9 @@ def test_study_resumes_a_killed_run_and_skips_a_finished_one(runs):
         assert steps[step]["spo/generated_tokens_cumulative"] == pytest.approx(cumulative)
     assert cumulative >= 500 or max(steps) == 3  # the quick budget, or the step bound
     assert spent == pytest.approx(sum(steps[s]["spo/generated_tokens"] for s in range(1, resumed_from + 1)), abs=1)
-    done = json.loads((study.folder / "done.json").read_text())
+    done = json.loads((folder / "done.json").read_text())
     assert done["steps"] == max(steps) and done["attempts"] == 2
-    assert not (study.folder / "checkpoints").exists(), "a finished run keeps no checkpoint"
+    assert not (folder / "checkpoints").exists(), "a finished run keeps no checkpoint"
     # One progress line per step of the resumed attempt, and a line for the finished run.
     progress = {int(m.group(1)) for line in resumed_log.splitlines()
                 if (m := re.match(r"compare: spo_tree/seed0 +step +(\d+)", line))}
@@ -450,14 +519,14 @@ def test_study_resumes_a_killed_run_and_skips_a_finished_one(runs):
     assert "compare: spo_tree/seed0: done:" in resumed_log
     # The quick study's second algorithm, the tree that forks at cutpoints, after the first.
     assert "compare: spo_tree_cutpoint/seed0: done:" in resumed_log
-    cutpoint = json.loads((study.folder.parents[1] / "spo_tree_cutpoint" / "seed0" / "done.json").read_text())
+    cutpoint = json.loads((study.folder("spo_tree_cutpoint") / "done.json").read_text())
     assert cutpoint["steps"] >= 1 and cutpoint["generated_tokens"] > 0
     # A third time: nothing left to train.
     assert study.again.returncode == 0, study.again.failure()
     again_log = study.again.log.read_text()
     assert "compare: spo_tree/seed0: finished earlier, skipped" in again_log
     assert "compare: spo_tree_cutpoint/seed0: finished earlier, skipped" in again_log
-    report = study.folder.parents[1] / "report"
+    report = study.output / "report"
     for name in ("accuracy_vs_step.png", "accuracy_vs_generated_tokens.png", "accuracy_vs_wall_time.png",
                  "reward_vs_step.png", "reward_vs_generated_tokens.png", "reward_vs_wall_time.png", "results.csv",
                  "summary.csv", "groups.csv", "report.html"):
@@ -467,10 +536,17 @@ def test_study_resumes_a_killed_run_and_skips_a_finished_one(runs):
     assert "Where the credit goes: SPO-tree against GRPO" in page and "GRPO: A " in page
 
 
-def test_study_help_lists_its_options():
-    result = subprocess.run(["bash", "scripts/compare.sh", "--help"], cwd=REPO, capture_output=True, text=True,
-                            timeout=120)
-    assert result.returncode == 0, result.stderr
-    for option in ("--setting", "--algorithms", "--seeds", "--token-budget", "--lr", "--val-every", "--max-steps",
-                   "--output-dir", "--quick"):
-        assert option in result.stdout, option
+@pytest.mark.parametrize("algorithm", STUDY_ALGORITHMS)
+def test_the_studys_runs_train_on_the_v1_trainer(runs, algorithm):
+    """The study's runs are the v1 trainer's SPO-tree and cutpoint-tree cases: each trainer process
+    (the killed attempt and the resumed one) packed its updates and checked its first one per row,
+    every step validated (``--val-every 1``)."""
+    folder = runs["study"].folder(algorithm)
+    attempts = sorted(folder.glob("metrics-attempt*.jsonl"))
+    assert len(attempts) == (2 if algorithm == "spo_tree" else 1)
+    steps = {step: data for step, data in read_logged_steps(folder / "metrics.jsonl") if step > 0}
+    processes = [{step: data for step, data in read_logged_steps(path) if step > 0 and "actor/pg_loss" in data}
+                 for path in attempts]
+    _assert_trained(steps, Expect(algorithm, checked=True), [process for process in processes if process])
+    assert all(VALIDATION_KEY in data for data in steps.values())
+

@@ -5,11 +5,15 @@ test_end_to_end_on_cpu."""
 from __future__ import annotations
 
 import json
+import subprocess
+from pathlib import Path
 
 import pytest
 
 from spo_verl import study
 from spo_verl.metrics_log import read_logged_steps
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def write_metrics(path, steps):
@@ -72,7 +76,7 @@ def test_options_and_their_errors(capsys):
                           (["--lr", "-1"], "--lr must be positive"),
                           (["--prompts-per-step", "5"], "--prompts-per-step must be an even number of at least 2"),
                           (["--setting", "laptop"], "invalid choice: 'laptop'"),
-                          (["--task", "add_mul"], "--task must be one of add_sub,add_sub_add,add_add,mul_add, got 'add_mul'"),
+                          (["--task", "add_mul"], "--task must be one of add_sub,add_sub_add,add_add,mul_add,steps2,steps3,steps4,steps5,steps6,steps7, got 'add_mul'"),
                           (["--quick", "--task", "add_add"], "--task picks a task of the cpu-smollm2 setting, not of cpu-tiny")]:
         with pytest.raises(SystemExit):
             study.parse_args(argv)
@@ -114,3 +118,12 @@ def test_verls_metrics_file_is_read_with_an_unfinished_last_line(tmp_path):
     path.write_text('{"step": 0, "data": {}}\nnot json\n{"step": 1, "data": {}}\n')
     with pytest.raises(ValueError, match="line 2 is not a JSON record"):
         read_logged_steps(path)
+
+
+def test_study_help_lists_its_options():
+    result = subprocess.run(["bash", "scripts/compare.sh", "--help"], cwd=REPO, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    for option in ("--setting", "--algorithms", "--seeds", "--token-budget", "--lr", "--val-every", "--max-steps",
+                   "--output-dir", "--quick"):
+        assert option in result.stdout, option
