@@ -219,9 +219,11 @@ case "$SETTING" in
     setting_args+=(
       data.train_batch_size=4
       data.val_batch_size=64
-      data.max_prompt_length=192                   # two worked examples as chat turns: ~155 tokens
-      data.max_response_length=64                  # answers take ~26 tokens
-      actor_rollout_ref.rollout.max_model_len=256
+      # The task's limits: two worked examples as chat turns (~155 tokens on add_sub) and an answer
+      # with room to spare (~26 tokens on add_sub; 64 by default, longer for the longer horizon tasks).
+      data.max_prompt_length="$cpu_max_prompt_length"
+      data.max_response_length="$cpu_max_response_length"
+      actor_rollout_ref.rollout.max_model_len=$((cpu_max_prompt_length + cpu_max_response_length))
       actor_rollout_ref.rollout.n=4                  # grpo, grpo_prob_mask, spo_chain: 4 responses a prompt
       algorithm.spo.tree.branching=[2,2]           # spo_tree: 4 leaves a prompt, "a + b = s." shared by 2
       algorithm.spo.tree.segment_tokens=[10]

@@ -6,7 +6,7 @@ solves leaves no headroom; one it never solves gives GRPO and SPO no signal).
 
 For each task of ``spo_verl.cpu_settings.smollm2.TASKS``: held-out-style problems (the data's held-out seed),
 the prompt the training data uses (worked examples as earlier chat turns), vLLM on the CPU with the
-rollout's settings (float32, 64 new tokens), scored by verl's GSM8K scorer as training scores them.
+rollout's settings (float32, the task's ``data.max_response_length`` new tokens), scored by verl's GSM8K scorer as training scores them.
 Prints greedy accuracy (what validation measures) and sampled accuracy at temperature 1 (what the
 rollout sees) with standard errors over problems, pass@k, the share of problems whose k samples
 disagree (where a group's advantages are not all zero), and the share of responses cut by the length
@@ -19,9 +19,6 @@ import argparse
 import json
 import os
 from pathlib import Path
-
-MAX_NEW_TOKENS = 64  # data.max_response_length of the cpu-smollm2 setting
-
 
 def _standard_error(p: float, n: int) -> float:
     return (p * (1 - p) / n) ** 0.5 if n else float("nan")
@@ -41,13 +38,15 @@ def measure(tasks: list[str], count: int, samples: int, cache: Path) -> dict:
 
     model = cpu_smollm2.build(cache)["model"]
     tokenizer = AutoTokenizer.from_pretrained(model)
-    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=512, seed=0,
+    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=1024, seed=0,
               gpu_memory_utilization=0.2)
-    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
-    # No per-request seed: vLLM's CPU sampler has no seeded generators ("CPU Generator does not use offset").
-    sampled = SamplingParams(temperature=1.0, n=samples, max_tokens=MAX_NEW_TOKENS)
     results = {}
     for task in tasks:
+        # The run's data.max_response_length on this task.
+        new_tokens = cpu_smollm2.TASKS[task].response_tokens
+        greedy = SamplingParams(temperature=0.0, max_tokens=new_tokens)
+        # No per-request seed: vLLM's CPU sampler has no seeded generators ("CPU Generator does not use offset").
+        sampled = SamplingParams(temperature=1.0, n=samples, max_tokens=new_tokens)
         problems = cpu_smollm2.problems(count, cpu_smollm2.SEED + 1, task)
         prompts = [tokenizer.apply_chat_template(cpu_smollm2.messages(q, task), add_generation_prompt=True,
                                                  tokenize=False) for q, _ in problems]
@@ -77,6 +76,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--problems", type=int, default=256)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--cache", type=Path, default=None, help="default: the run scripts' (SPO_SMOLLM2_CACHE)")
+    parser.add_argument("--csv", type=Path, default=None, help="also write one row per task here")
     args = parser.parse_args(argv)
     from spo_verl.cpu_platform.environment import cpu_run_env
 
@@ -91,8 +91,24 @@ def main(argv=None) -> dict:
         print(f"| `{task}` | {r['example']} | {r['greedy_accuracy']:.3f} +- {r['greedy_se']:.3f} | "
               f"{r['sampled_accuracy']:.3f} +- {r['sampled_se']:.3f} | {r[f'pass_at_{k}']:.3f} | "
               f"{r['mixed_groups']:.3f} | {r['truncated']:.3f} |")
+    if args.csv is not None:
+        write_csv(result, args.csv)
     print(json.dumps(result))
     return result
+
+
+def write_csv(result: dict, path: Path) -> None:
+    """One row per task: the problems and samples measured, then every figure of the table."""
+    import csv
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tasks = result["tasks"]
+    columns = list(next(iter(tasks.values())))
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["task", "problems", "samples", *columns])
+        for task, figures in tasks.items():
+            writer.writerow([task, result["problems"], result["samples"], *(figures[c] for c in columns)])
 
 
 if __name__ == "__main__":

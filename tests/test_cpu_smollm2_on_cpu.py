@@ -101,7 +101,7 @@ def test_another_task_has_its_own_data_and_examples_next_to_the_one_model(built)
         cpu_smollm2.build(built["folder"], "add_mul")
 
 
-@pytest.mark.parametrize("task", ["add_add", "add_mul"])
+@pytest.mark.parametrize("task", ["steps6", "add_mul"])
 def test_the_run_scripts_take_the_task_from_smollm2_task(built, task):
     import os
     import subprocess
@@ -112,9 +112,14 @@ def test_the_run_scripts_take_the_task_from_smollm2_task(built, task):
            "SPO_SMOLLM2_CACHE": str(built["folder"])}
     result = subprocess.run(["bash", str(repo / "scripts" / "run_grpo.sh"), "--cfg", "job"], env=env,
                             capture_output=True, text=True, timeout=300, cwd="/")
-    if task == "add_add":
+    if task == "steps6":
         assert result.returncode == 0, result.stderr[-2000:]
-        assert f"train_files: {built['folder'].resolve()}/tasks/add_add/data/train.parquet" in result.stdout
+        assert f"train_files: {built['folder'].resolve()}/tasks/steps6/data/train.parquet" in result.stdout
+        # The task's own limits: six worked steps need a longer prompt and answer than two.
+        limits = cpu_smollm2.TASKS["steps6"]
+        assert (limits.prompt_tokens, limits.response_tokens) == (336, 144)
+        assert "max_prompt_length: 336" in result.stdout and "max_response_length: 144" in result.stdout
+        assert "max_model_len: 480" in result.stdout
     else:  # refused before anything starts, naming the allowed tasks
         assert result.returncode != 0 and "invalid choice: 'add_mul'" in result.stderr and "add_add" in result.stderr
         assert "Started a local Ray instance" not in result.stderr

@@ -70,6 +70,37 @@ def _mul_add(rng: random.Random) -> tuple[str, int]:
     return f"What is {first} * {second} + {third}?", first * second + third
 
 
+def worked_answer(numbers: list[int]) -> str:
+    """Sums worked one equation per step, left to right, then the answer: "3 + 4 = 7. 7 + 2 = 9.\n#### 9"."""
+    total, steps = numbers[0], []
+    for number in numbers[1:]:
+        steps.append(f"{total} + {number} = {total + number}.")
+        total += number
+    return " ".join(steps) + f"\n#### {total}"
+
+
+def _additions(steps: int) -> Callable[[random.Random], tuple[str, int]]:
+    """A sum of ``steps + 1`` numbers (the first 2-20, the rest single digits): ``steps`` worked steps."""
+
+    def draw(rng: random.Random) -> tuple[str, int]:
+        numbers = [rng.randint(2, 20)] + [rng.randint(2, 9) for _ in range(steps)]
+        return f"What is {' + '.join(map(str, numbers))}?", sum(numbers)
+
+    return draw
+
+
+# The worked examples of the horizon tasks: the first steps + 1 numbers of each.
+_HORIZON_EXAMPLES = ((3, 4, 2, 6, 5, 3, 8, 2), (12, 5, 6, 3, 7, 4, 2, 9))
+
+
+def _horizon_task(steps: int) -> "Task":
+    examples = tuple((f"What is {' + '.join(map(str, numbers[: steps + 1]))}?", worked_answer(list(numbers[: steps + 1])))
+                     for numbers in _HORIZON_EXAMPLES)
+    # SmolLM2's tokenizer: a prompt of 93 + 31 k tokens, a right answer of 5 + 11 k with its end of turn
+    # (measured on the examples, whose first numbers have two digits, as the longest questions).
+    return Task(_additions(steps), examples, prompt_tokens=144 + 32 * steps, response_tokens=48 + 16 * steps)
+
+
 @dataclass(frozen=True)
 class Task:
     """A generated arithmetic task: how a problem is drawn, and the worked examples (earlier chat
@@ -77,7 +108,13 @@ class Task:
 
     problem: Callable[[random.Random], tuple[str, int]]
     examples: tuple[tuple[str, str], ...]
+    # Token limits of a run on this task (data.max_prompt_length, data.max_response_length): the two
+    # worked examples and the question, and an answer with room to spare.
+    prompt_tokens: int = 192
+    response_tokens: int = 64
 
+
+HORIZON_STEPS = range(2, 8)
 
 TASKS = {
     # The CPU default: two steps (docs/RESULTS.md).
@@ -90,6 +127,9 @@ TASKS = {
                                ("What is 12 + 5 + 6?", "12 + 5 = 17. 17 + 6 = 23.\n#### 23"))),
     "mul_add": Task(_mul_add, (("What is 3 * 4 + 2?", "3 * 4 = 12. 12 + 2 = 14.\n#### 14"),
                                ("What is 7 * 5 + 11?", "7 * 5 = 35. 35 + 11 = 46.\n#### 46"))),
+    # The horizon knob: a sum worked in k steps, k = 2..7 ("What is 3 + 4 + 2 + 6?" is steps3), so that
+    # where each estimator puts the blame can be measured as responses get longer (spo_verl.credit).
+    **{f"steps{k}": _horizon_task(k) for k in HORIZON_STEPS},
 }
 DEFAULT_TASK = "add_sub"
 
@@ -184,15 +224,18 @@ def convert(model_dir: Path) -> None:
 
 
 def build(output_dir: str | Path, task: str = DEFAULT_TASK) -> dict[str, str]:
-    """Build (or reuse) the model folder and ``task``'s data under ``output_dir``; returns their paths.
+    """Build (or reuse) the model folder and ``task``'s data under ``output_dir``; returns their paths
+    and the task's token limits.
     Another task's data goes to ``tasks/<task>/data`` next to the default's, sharing the one model."""
     if task not in TASKS:
         raise ValueError(f"SMOLLM2_TASK={task!r} is not a task of the cpu-smollm2 setting; allowed: {', '.join(TASKS)}")
     paths = cached_build(output_dir, VERSION, _make)
+    limits = {"max_prompt_length": str(TASKS[task].prompt_tokens), "max_response_length": str(TASKS[task].response_tokens)}
     if task == DEFAULT_TASK:
-        return paths
+        return {**paths, **limits}
     task_dir = Path(output_dir).expanduser().resolve() / "tasks" / task
-    return {**cached_build(task_dir, VERSION, lambda folder: write_data(folder / "data", task)), "model": paths["model"]}
+    return {**cached_build(task_dir, VERSION, lambda folder: write_data(folder / "data", task)), "model": paths["model"],
+            **limits}
 
 
 def _make(output_dir: Path) -> None:
