@@ -1,11 +1,14 @@
 """The error analysis of the arithmetic tasks: each answer gets the first step that breaks."""
 
 import json
+import random
+import re
 
 import pytest
 
 from spo_verl.cpu_settings import smollm2
-from spo_verl.cpu_settings.answer_errors import count_kinds, error_kind, expected_steps, main, question_of
+from spo_verl.cpu_settings.answer_errors import (count_kinds, error_kind, expected_steps, first_error, first_error_token,
+                                                  main, question_of)
 
 
 def test_the_steps_of_a_problem_left_to_right():
@@ -43,3 +46,56 @@ def test_a_validation_dump_is_counted_by_kind(tmp_path, capsys):
     assert main([str(dump)]) == 0
     row = capsys.readouterr().out.splitlines()[2]
     assert row.startswith(f"| {dump} | 4 | 0.500 | 0.250 | 0.000 | 0.250 |")
+
+
+QUESTION = "What is 12 + 5 + 6 + 3?"  # three steps: 12 + 5 = 17, 17 + 6 = 23, 23 + 3 = 26
+EOS = "<|im_end|>"
+
+
+def tokens_of(text: str) -> list[str]:
+    """A response as a tokenizer might cut it: numbers, operators and words with their leading space, full
+    stops, newlines, '####' and the end-of-turn token each one token."""
+    tokens = re.findall(r"<\|im_end\|>|\s?\d+|\s?[-+*=]|\s?[a-z]+|\.|\n|####", text)
+    assert "".join(tokens) == text
+    return tokens
+
+
+@pytest.mark.parametrize("response, score, kind, token", [
+    ("12 + 5 = 17. 17 + 6 = 23. 23 + 3 = 26.\n#### 26" + EOS, 1.0, "right", None),
+    # A wrong operand in step 1: its token " 6" (index 2).
+    ("12 + 6 = 18. 18 + 6 = 24. 24 + 3 = 27.\n#### 27" + EOS, 0.0, "step 1: wrong numbers", 2),
+    # Right operands, wrong result: the result " 16" (index 4).
+    ("12 + 5 = 16. 16 + 6 = 22. 22 + 3 = 25.\n#### 25" + EOS, 0.0, "step 1: wrong arithmetic", 4),
+    # Wrong at the last step: six tokens a step, its result is token 16.
+    ("12 + 5 = 17. 17 + 6 = 23. 23 + 3 = 25.\n#### 25" + EOS, 0.0, "step 3+: wrong", 16),
+    # A missing step: '####' (index 13) stands where "23 + 3 = 26." should.
+    ("12 + 5 = 17. 17 + 6 = 23.\n#### 23" + EOS, 0.0, "steps missing", 13),
+    # Every step right, no final line: the end-of-turn token (index 18) stands where '####' should.
+    ("12 + 5 = 17. 17 + 6 = 23. 23 + 3 = 26." + EOS, 0.0, "no final answer", 18),
+    # The same cut off by the length limit: nothing written where the final line should be.
+    ("12 + 5 = 17. 17 + 6 = 23. 23 + 3 = 26.", 0.0, "no final answer", None),
+    # No final line and a wrong step: counted as no final answer, placed at the wrong step.
+    ("12 + 5 = 17. 17 + 7 = 24." + EOS, 0.0, "no final answer", 8),
+    # Every step right, a wrong final line: its number " 28" (index 20).
+    ("12 + 5 = 17. 17 + 6 = 23. 23 + 3 = 26.\n#### 28" + EOS, 0.0, "final answer differs from the worked result", 20),
+    # Right steps and answer, yet scored wrong: not placed, counted as other.
+    ("12 + 5 = 17. 17 + 6 = 23. 23 + 3 = 26.\n#### 26 and more", 0.0, "other", None),
+])
+def test_the_first_wrong_step_as_a_token(response, score, kind, token):
+    assert first_error_token(QUESTION, tokens_of(response), score) == (kind, token)
+
+
+def test_a_token_that_starts_right_and_goes_wrong_is_the_first_wrong_token():
+    # One token " 16." holds a right space and a wrong digit: it is the first wrong one.
+    tokens = ["12", " +", " 5", " =", " 16.", " 16 + 6 = 22.", " 22 + 3 = 25.", "\n#### 25"]
+    assert first_error_token(QUESTION, tokens, 0.0) == ("step 1: wrong arithmetic", 4)
+
+
+@pytest.mark.parametrize("steps", list(smollm2.HORIZON_STEPS))
+def test_each_horizon_task_works_its_examples_in_k_right_steps(steps):
+    task = smollm2.TASKS[f"steps{steps}"]
+    for question, answer in task.examples:
+        assert len(expected_steps(question)) == steps
+        assert first_error(question, answer, 0.0) == ("other", None)  # every step and the answer right
+    question, answer = smollm2.problem(random.Random(1), f"steps{steps}")
+    assert len(expected_steps(question)) == steps and expected_steps(question)[-1][3] == answer

@@ -47,25 +47,68 @@ def expected_steps(question: str) -> list[tuple[int, str, int, int]]:
 
 def error_kind(question: str, response: str, score: float) -> str:
     """The first thing that goes wrong in ``response`` (one of ``KINDS``)."""
+    return first_error(question, response, score)[0]
+
+
+def first_error(question: str, response: str, score: float) -> tuple[str, int | None]:
+    """The kind of the first thing that goes wrong (one of ``KINDS``; an answer without a final line
+    counts as "no final answer" whatever else is wrong) and the offset in ``response`` of the first
+    character that differs from what a right step at that place would write: a wrong operand,
+    operator or result, or, for a missing step or final line, the first thing written in its place.
+    The offset is ``None`` for a right answer and for one whose error cannot be placed ("other")."""
     if score >= 1:
-        return "right"
+        return "right", None
     steps = expected_steps(question)
     final = _FINAL.search(response)
+    kind, char = _first_wrong_step(steps, list(_EQUATION.finditer(response[: final.start()] if final else response)),
+                                   response)
     if final is None:
-        return "no final answer"
-    written = [(int(a), op, int(b), int(c)) for a, op, b, c in _EQUATION.findall(response[: final.start()])]
-    for k, step in enumerate(steps):
-        if k >= len(written):
-            return "steps missing"
-        left, op, right, result = written[k]
-        name = f"step {k + 1}" if k < 2 else "step 3+"
-        if (left, op, right) != step[:3]:
-            return f"{name}: wrong numbers" if k < 2 else "step 3+: wrong"
-        if result != step[3]:
-            return f"{name}: wrong arithmetic" if k < 2 else "step 3+: wrong"
+        return "no final answer", char
+    if kind is not None:
+        return kind, char
     if int(final.group(1)) != steps[-1][3]:
-        return "final answer differs from the worked result"
-    return "other"  # every step and the answer right, yet scored wrong (e.g. text after the answer)
+        return "final answer differs from the worked result", final.start(1)
+    return "other", None  # every step and the answer right, yet scored wrong (e.g. text after the answer)
+
+
+def _first_wrong_step(steps, equations, response: str) -> tuple[str | None, int]:
+    """The kind and offset of the first step written wrong or missing; ``(None, offset)`` when every
+    step is right, the offset then being where the final line should start."""
+    right_until = 0  # the end of the last right step
+    for k, step in enumerate(steps):
+        name = f"step {k + 1}" if k < 2 else "step 3+"
+        if k >= len(equations):
+            return "steps missing", _next_written(response, right_until)
+        equation = equations[k]
+        written = (int(equation[1]), equation[2], int(equation[3]))
+        for group, (got, wanted) in enumerate(zip(written, step[:3]), start=1):
+            if got != wanted:
+                return (f"{name}: wrong numbers" if k < 2 else "step 3+: wrong"), equation.start(group)
+        if int(equation[4]) != step[3]:
+            return (f"{name}: wrong arithmetic" if k < 2 else "step 3+: wrong"), equation.start(4)
+        right_until = equation.end()
+    return None, _next_written(response, right_until)
+
+
+def _next_written(response: str, start: int) -> int:
+    """The first character from ``start`` on that is not the end of a step (a full stop or white
+    space); ``len(response)`` if the response ends there."""
+    rest = response[start:]
+    return start + (len(rest) - len(rest.lstrip(". \n\t")))
+
+
+def first_error_token(question: str, tokens: list[str], score: float) -> tuple[str, int | None]:
+    """:func:`first_error` on a response given as its tokens' texts (an end-of-sequence token's text
+    included, if the response has one): the index of the token that holds the first wrong character.
+    ``None`` also where nothing is written in the wrong step's place (a response cut off by the length
+    limit after its last right step)."""
+    kind, char = first_error(question, "".join(tokens), score)
+    end = 0
+    for index, token in enumerate(tokens):
+        end += len(token)
+        if char is not None and char < end:
+            return kind, index
+    return kind, None
 
 
 def question_of(prompt: str) -> str:
