@@ -1,0 +1,93 @@
+"""The credit measures (spo_verl.credit.blame) with exact numbers on hand-built advantages: an estimator
+that localises an error perfectly, GRPO's uniform advantage, the probability mask, and the net advantage
+of identical tokens in the same context."""
+
+import pytest
+
+from spo_verl.credit.blame import Blame, Response, blame, bootstrap, negative_position, net_advantages, summarise
+
+
+def response(uid, rid, reward, tokens, advantages, in_loss=None, trained=(), first_error=None):
+    return Response(uid, rid, reward, tuple(tokens), tuple(advantages),
+                    tuple(in_loss if in_loss is not None else [True] * len(tokens)), tuple(trained), first_error)
+
+
+def test_an_estimator_that_localises_perfectly_puts_all_blame_on_the_error():
+    assert blame([0, 0, 0, 0, -1, -1], first_error=4) == Blame(1.0, 0.0, False)
+
+
+def test_grpo_blames_every_token_alike():
+    # One number for the response: the blame on the error is the share of tokens from the error on.
+    assert blame([-0.5] * 10, first_error=4) == Blame(pytest.approx(0.6), -0.5, True)
+
+
+def test_blame_that_leaks_onto_the_right_steps():
+    # SPO-tree with a segment cut inside a step: the right tokens before the wrong number share its -0.25.
+    measures = blame([0.25, 0.25, -0.25, -0.25, -0.5, -0.5], first_error=3)
+    assert measures.on_error == pytest.approx(1.25 / 1.5)
+    assert measures.right_steps_mean == pytest.approx(0.25 / 3) and measures.right_steps_negative is False
+
+
+def test_only_the_tokens_in_the_loss_count_in_that_view():
+    advantages = [-0.4, -0.4, -0.4, -0.4]
+    assert blame(advantages, 2, counted=[False, True, True, False]) == Blame(0.5, -0.4, True)
+    # No negative mass among the counted tokens: nothing to share out.
+    assert blame([0.3, -0.2], 1, counted=[True, False]) == Blame(None, 0.3, False)
+    # An error at the first token has no right steps before it.
+    assert blame([-1.0, -1.0], 0) == Blame(1.0, None, None)
+
+
+def test_the_net_advantage_adds_every_trained_instance_of_a_token_in_its_context():
+    group = [
+        # A tree's two leaves under one node: the node's tokens 1, 2 are trained once, by the first row.
+        response("p", "a", 1.0, [1, 2, 3], [0.1, 0.1, 0.5]),
+        response("p", "b", 0.0, [1, 2, 4], [0.1, 0.1, -0.5], trained=[False, False, True]),
+        # Two sibling nodes that wrote the same right text "1 5" and got +0.25 and -0.25: they cancel.
+        response("p", "c", 1.0, [1, 5, 6], [0.25, 0.25, 0.5]),
+        response("p", "d", 0.0, [1, 5, 7], [-0.25, -0.25, -0.5]),
+    ]
+    net = net_advantages(group)
+    assert net["a"] == pytest.approx([0.1 + 0.25 - 0.25, 0.1, 0.5])  # token 1 is the same first token in all four
+    assert net["b"] == pytest.approx([0.1, 0.1, -0.5])
+    assert net["c"] == pytest.approx([0.1, 0.0, 0.5]) and net["d"] == pytest.approx([0.1, 0.0, -0.5])
+    # Identical GRPO answers are two instances: their advantages add.
+    twins = [response("q", "x", 0.0, [8, 9], [-0.5, -0.5]), response("q", "y", 0.0, [8, 9], [-0.5, -0.5])]
+    assert net_advantages(twins) == {"x": [-1.0, -1.0], "y": [-1.0, -1.0]}
+
+
+def test_where_a_right_answers_negative_mass_sits():
+    assert negative_position([0, -1, 0, -1]) == pytest.approx(2 / 3)
+    assert negative_position([-1, 0, 0, 0]) == 0.0 and negative_position([0.5, 0.5]) is None
+
+
+def test_a_summary_counts_each_kind_of_response_and_averages_the_placed_ones():
+    group = [
+        response("p", "a", 0.0, [1, 2, 3, 4], [0, 0, -1, -1], first_error=2),  # perfectly placed
+        response("p", "b", 0.0, [1, 2, 5, 6], [-0.5] * 4, first_error=1),  # uniform
+        response("p", "c", 0.0, [7, 8], [-0.5, -0.5]),  # wrong, error not placed
+        response("p", "d", 1.0, [1, 9, 9, 9], [0.5, -0.1, 0.5, 0.5]),  # right, one negative token
+        response("p", "e", 1.0, [1, 9, 9, 8], [0.5, 0.5, 0.5, 0.5]),
+    ]
+    summary = summarise([group], "all tokens")
+    assert (summary.wrong_placed, summary.wrong_not_placed, summary.right) == (2, 1, 2)
+    assert summary.on_error == pytest.approx((1.0 + 0.75) / 2)
+    assert summary.right_steps_mean == pytest.approx((0.0 - 0.5) / 2)
+    assert summary.right_steps_negative_share == 0.5
+    assert summary.right_with_negative_share == 0.5 and summary.right_negative_position == pytest.approx(1 / 3)
+
+
+def test_bootstrap_intervals_are_over_prompts():
+    same = [[response(str(i), "a", 0.0, [1, 2], [0.0, -1.0], first_error=1)] for i in range(5)]
+    assert bootstrap(same, "all tokens", resamples=50)["on_error"] == (1.0, 1.0)
+    mixed = same + [[response("u", "a", 0.0, [1, 2], [-1.0, -1.0], first_error=1)]]
+    low, high = bootstrap(mixed, "all tokens", resamples=400)["on_error"]
+    assert 0.5 <= low < summarise(mixed, "all tokens").on_error < high <= 1.0
+
+
+def test_inconsistent_responses_are_refused():
+    with pytest.raises(ValueError, match="differ in length"):
+        response("p", "a", 0.0, [1, 2], [0.1])
+    with pytest.raises(ValueError, match="first_error 5 is not a token index"):
+        response("p", "a", 0.0, [1, 2], [0.1, 0.1], first_error=5)
+    with pytest.raises(ValueError, match="view must be one of"):
+        summarise([[response("p", "a", 0.0, [1], [0.1])]], "everything")
