@@ -1,6 +1,9 @@
 """The credit measures (spo_verl.credit.blame) with exact numbers on hand-built advantages: an estimator
 that localises an error perfectly, GRPO's uniform advantage, the probability mask, and the net advantage
-of identical tokens in the same context."""
+of identical tokens in the same context; and the rollouts they read, through verl's agent loop and
+advantage step on verl's server."""
+
+import math
 
 import pytest
 
@@ -91,3 +94,79 @@ def test_inconsistent_responses_are_refused():
         response("p", "a", 0.0, [1, 2], [0.1, 0.1], first_error=5)
     with pytest.raises(ValueError, match="view must be one of"):
         summarise([[response("p", "a", 0.0, [1], [0.1])]], "everything")
+
+
+in_session_loop = pytest.mark.asyncio(loop_scope="session")  # verl's server client lives there
+
+
+@in_session_loop
+async def test_tree_and_grpo_advantages_of_the_same_leaves_through_verl(llm_client, tiny_model):
+    """Trees sampled by the spo_tree agent loop on verl's server, read through verl's advantage step:
+    every SPO-tree token carries its node's V(node) - V(parent) (the plain reference, from the leaves'
+    rewards), every segment with a non-zero advantage is trained by one row, the pooled view's segments
+    carry the difference of their prefixes' mean leaf rewards, and GRPO's advantage of a response is
+    one number, its reward against its prompt's others in verl's normalisation."""
+    import statistics
+
+    from spo_verl.algorithms import tree_advantages, tree_values
+    from spo_verl.credit.rollouts import TreeSetup, sample_trees, tree_and_grpo_responses, tree_config
+
+    model_dir, tokenizer = tiny_model
+    setup = TreeSetup("test", (3, 2), (6,))
+    config = tree_config(model_dir, setup, prompt_length=64, response_length=24)
+    problems = [(f"c{i}", [{"role": "user", "content": f"Add {i} and {7 * i}."}], "") for i in range(3)]
+    # A toy reward that varies between the tiny model's random answers: an even number of characters.
+    score = lambda text, truth: float(len(text) % 2 == 0)  # noqa: E731
+    leaves = await sample_trees(config, llm_client, tokenizer, problems, score=score)
+    asked = []
+
+    def locate(uid, texts, reward):  # the step checker's place: here only what it is given is checked
+        asked.append((uid, "".join(texts), reward))
+        return None
+
+    views = tree_and_grpo_responses(leaves, config, tokenizer, 0.9, locate)
+    tree, pooled, grpo = views["spo_tree"], views["spo_tree_pooled"], views["grpo"]
+    assert len(tree) == len(pooled) == len(grpo) == len(leaves)
+    for view in (tree, pooled, grpo):  # rewards that differ within a tree: credit to check
+        assert any(a != 0 for response in view for a in response.advantages)
+    # The checker reads each response's tokens as text, its end-of-sequence token included.
+    assert asked == [(leaf.uid, tokenizer.decode(leaf.output.response_ids), leaf.score) for leaf in leaves]
+    for uid in {leaf.uid for leaf in leaves}:
+        members = [i for i, leaf in enumerate(leaves) if leaf.uid == uid]
+        rows = [leaves[i].output.extra_fields["spo"] for i in members]
+        ids = {"root": -1}
+        for row in rows:
+            parent = "root"
+            for node in row["path"]:
+                ids.setdefault(node, parent)
+                parent = node
+        order = list(ids)
+        parents = [order.index(ids[n]) if ids[n] != -1 else -1 for n in order]
+        rewards = {order.index(row["path"][-1]): 0.0 if row["truncated"] else leaves[i].score for i, row in zip(members, rows)}
+        expected = dict(zip(order, tree_advantages(parents, tree_values(parents, rewards))))
+        trained_nodes = []
+        for i, row in zip(members, rows):
+            start = 0
+            for node, end in zip(row["path"], row["segment_ends"]):
+                assert tree[i].advantages[start:end] == pytest.approx([expected[node]] * (end - start), abs=1e-6)
+                # Pooled: V after and before the segment, each the mean reward of the tree's leaves
+                # that share the prefix token for token.
+                ids = leaves[i].output.response_ids
+                value = lambda n: statistics.fmean(rewards[order.index(other["path"][-1])]  # noqa: E731
+                                                   for j, other in zip(members, rows)
+                                                   if list(leaves[j].output.response_ids[:n]) == list(ids[:n]))
+                assert pooled[i].advantages[start:end] == pytest.approx([value(end) - value(start)] * (end - start), abs=1e-9)
+                if any(tree[i].trained[start:end]):
+                    trained_nodes.append(node)
+                start = end
+        assert sorted(trained_nodes) == sorted(n for n in order if n != "root" and expected[n] != 0)
+        # GRPO: (reward - mean) / (std + eps) over the prompt's leaves, verl's default normalisation.
+        scores = [leaves[i].score for i in members]
+        mean, std = statistics.fmean(scores), statistics.stdev(scores) if len(scores) > 1 else 0.0
+        for i in members:
+            assert grpo[i].advantages == pytest.approx([(leaves[i].score - mean) / (std + 1e-6)] * len(grpo[i].tokens),
+                                                       abs=1e-5)
+            assert grpo[i].tokens == tree[i].tokens and grpo[i].in_loss == tree[i].in_loss
+            # The probability mask: the rollout's probability of the token below 0.9.
+            probabilities = [math.exp(lp) for lp in leaves[i].output.response_logprobs[: len(tree[i].tokens)]]
+            assert list(tree[i].in_loss) == [p < 0.9 for p in probabilities]

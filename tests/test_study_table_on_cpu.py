@@ -61,3 +61,20 @@ def test_the_study_writes_its_table_and_answers_beside_the_report(tmp_path):
     assert "| spo_tree | 1 | 4 | 0.250 | 0.500 +- - | +0.250 |" in text and "| spo_tree | +0.500 |" in text
     assert (tmp_path / "report" / "heldout_answers.csv").read_text().count("\n") == 1 + 2 * 2 * 4
     assert study_table.write_table(tmp_path / "nothing", tmp_path / "t.md") is None
+
+
+def test_the_calibration_table_is_written_as_csv_with_every_figure(tmp_path):
+    """``python -m spo_verl.task_calibration --csv``: one row per task, the table's figures as measured."""
+    import csv
+
+    from spo_verl.task_calibration import write_csv
+
+    result = {"problems": 128, "samples": 4, "tasks": {
+        "steps2": {"example": "What is 3 + 4 + 2?", "greedy_accuracy": 0.5, "greedy_se": 0.04, "pass_at_4": 0.75},
+        "steps4": {"example": "What is 3 + 4 + 2 + 6 + 5?", "greedy_accuracy": 0.25, "greedy_se": 0.03, "pass_at_4": 0.5}}}
+    write_csv(result, tmp_path / "calibration.csv")
+    with open(tmp_path / "calibration.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [row["task"] for row in rows] == ["steps2", "steps4"]
+    assert rows[1] == {"task": "steps4", "problems": "128", "samples": "4", "example": "What is 3 + 4 + 2 + 6 + 5?",
+                       "greedy_accuracy": "0.25", "greedy_se": "0.03", "pass_at_4": "0.5"}
