@@ -170,3 +170,27 @@ async def test_tree_and_grpo_advantages_of_the_same_leaves_through_verl(llm_clie
             # The probability mask: the rollout's probability of the token below 0.9.
             probabilities = [math.exp(lp) for lp in leaves[i].output.response_logprobs[: len(tree[i].tokens)]]
             assert list(tree[i].in_loss) == [p < 0.9 for p in probabilities]
+
+
+def test_the_tables_recompute_from_responses_csv(tmp_path):
+    """responses.csv holds everything the measures need: read back, it gives the same summary."""
+    from spo_verl.credit.__main__ import Task, read_responses, summary_rows, write_responses, write_summary
+    from spo_verl.credit.rollouts import TreeSetup
+
+    task = Task("steps3", 3, "model", [], 0, 0, {})
+    setup = TreeSetup("study", (2, 2), (10,))
+    group = [
+        response("p0", "a", 0.0, [1, 2, 3, 4], [0.25, 0.25, -0.5, -0.5], in_loss=[True, False, True, True],
+                 trained=[True, True, True, True], first_error=2),
+        response("p0", "b", 1.0, [1, 2, 5, 6], [0.25, 0.25, 0.5, 0.5], trained=[False, False, True, True]),
+        response("p1", "c", 0.0, [7, 8], [-0.125, -0.125], first_error=1),
+    ]
+    path = tmp_path / "responses.csv"
+    write_responses(path, [(task, setup, "spo_tree", r) for r in group])
+    assert [r for _, r in read_responses(path)] == group
+    rows = summary_rows(path, resamples=50)
+    on_error = {row["view"]: row for row in rows if row["measure"] == "on_error"}
+    assert on_error["all tokens"]["value"] == pytest.approx((1.0 + 0.5) / 2)
+    assert (on_error["net"]["wrong_placed"], on_error["net"]["right"], on_error["net"]["prompts"]) == (2, 1, 2)
+    write_summary(rows, tmp_path / "summary.csv", tmp_path / "table.md")
+    assert "| steps3 | 3 | study | spo_tree | all tokens | 0.75 [" in (tmp_path / "table.md").read_text()

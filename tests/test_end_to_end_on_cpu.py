@@ -5,7 +5,8 @@ vLLM's CPU backend, verl's GSM8K reward, the SPO advantage step and loss, and ve
 weight sync, on the tiny ``cpu-tiny`` setting (spo_verl/cpu_settings/tiny.py). The README's command, with
 no settings, trains the CPU default (``cpu-smollm2``: SmolLM2-135M, whose tied head must sync into
 vLLM), and the study command ``scripts/compare.sh --quick`` (SPO-tree, then the tree that forks at
-cutpoints) is stopped after its first checkpoint, resumed and run once more, report included.
+cutpoints) is stopped after its first checkpoint, resumed and run once more, report included. The credit
+command's quick form (``python -m spo_verl.credit --quick``) runs beside them.
 
 A run costs about two minutes of two cores, almost all of it verl, Ray and vLLM starting (the table
 at the end of the session splits each run's time by phase), so each run covers every seam its
@@ -19,6 +20,7 @@ time (``SPO_E2E_PARALLEL``, default 3) in one module fixture, and each test read
 from __future__ import annotations
 
 import contextlib
+import csv
 import json
 import math
 import re
@@ -209,6 +211,20 @@ def _run_readme_command(work: Path, smollm2_folder: Path) -> Run:
     return Run(process.returncode, log, [REPO / metrics.group(1)] if metrics else [], time.perf_counter() - started)
 
 
+def _run_credit_command(work: Path, cache: Path) -> Run:
+    """``python -m spo_verl.credit --quick``: trees on cpu-tiny through verl's agent loop and server, the
+    estimators through verl's advantage step, the CSVs and the table."""
+    work.mkdir(parents=True)
+    env = {**os.environ, "SPO_CPU_CACHE": str(cache)}
+    started = time.perf_counter()
+    log = work / "credit.log"
+    with open(log, "w") as out:
+        process = subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-m", "spo_verl.credit", "--quick", "--prompts",
+                                  "4", "--output-dir", str(work / "output")], cwd=REPO, env=env, stdout=out,
+                                 stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S)
+    return Run(process.returncode, log, [], time.perf_counter() - started)
+
+
 STUDY_ALGORITHMS = ("spo_tree", "spo_tree_cutpoint")  # what --quick trains, in its order
 
 
@@ -297,9 +313,11 @@ def runs(request, tmp_path_factory, smollm2_cache, run_times):
         # The longest runs first, so they start at once and the short ones fill the slots around them.
         study = pool.submit(_in_slots, slots, 1, _run_study, work / "study", cache)
         readme = pool.submit(_in_slots, slots, 2, _run_readme_command, work / "readme", smollm2_cache["folder"])
+        credit = pool.submit(_in_slots, slots, 1, _run_credit_command, work / "credit", cache)
         futures = {case.id: pool.submit(_in_slots, slots, 1, _run_case, case, cache, work / case.id) for case in CASES}
         results = {case_id: future.result() for case_id, future in futures.items()}
         results["readme"] = readme.result()
+        results["credit"] = credit.result()
         results["study"] = study.result()
     for name, result in results.items():
         named = ({"first": result.first, "resumed": result.resumed} if isinstance(result, Case) else
@@ -534,6 +552,32 @@ def test_study_resumes_a_killed_run_and_skips_a_finished_one(runs):
     page = (report / "report.html").read_text()
     assert "<svg" in page and "SPO tree" in page and "data:image/png;base64," in page
     assert "Where the credit goes: SPO-tree against GRPO" in page and "GRPO: A " in page
+
+
+def test_the_credit_command_measures_tree_and_grpo_on_the_same_leaves(runs):
+    run: Run = runs["credit"]
+    assert run.returncode == 0, run.failure()
+    output = run.log.parent / "output"
+    with open(output / "responses.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    # Every leaf once per estimator, GRPO's and the pooled rows over the same responses as SPO-tree's.
+    by_estimator = {e: [(r["response_id"], r["tokens"], r["reward"]) for r in rows if r["estimator"] == e]
+                    for e in ("spo_tree", "spo_tree_pooled", "grpo")}
+    assert by_estimator["spo_tree"] and by_estimator["spo_tree"] == by_estimator["grpo"] == by_estimator["spo_tree_pooled"]
+    assert {r["prompt_uid"] for r in rows} == {f"p{i}" for i in range(4)}
+    for row in rows:
+        length = int(row["length"])
+        assert len(row["advantages"].split()) == len(row["in_loss"].split()) == len(row["tokens"].split()) == length
+        if row["first_error_token"]:
+            assert float(row["reward"]) < 1 and 0 <= int(row["first_error_token"]) < length
+    # The tiny model gets some answers wrong at a placeable step: the table has something to say.
+    assert any(row["first_error_token"] for row in rows)
+    table = (output / "table.md").read_text()
+    assert "| tiny_add | 1 | tiny | spo_tree | all tokens |" in table and "| tiny_add | 1 | tiny | grpo | net |" in table
+    with open(output / "summary.csv", newline="") as handle:
+        summary = list(csv.DictReader(handle))
+    on_error = [r for r in summary if r["measure"] == "on_error" and r["value"]]
+    assert on_error and all(0 <= float(r["low"]) <= float(r["high"]) <= 1 for r in on_error)
 
 
 @pytest.mark.parametrize("algorithm", STUDY_ALGORITHMS)

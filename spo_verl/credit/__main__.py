@@ -112,7 +112,7 @@ def write_responses(path: Path, rows: list[tuple[Task, TreeSetup, str, Response]
         for task, setup, estimator, r in rows:
             writer.writerow([task.name, task.horizon, setup.name, estimator, r.prompt_uid, r.response_id, r.reward,
                              "" if r.first_error is None else r.first_error, len(r.tokens), _joined(r.advantages),
-                             _joined(r.in_loss), _joined(r.trains), _joined(r.tokens)])
+                             _joined(r.in_loss), _joined(r.trained), _joined(r.tokens)])
 
 
 def read_responses(path: Path) -> list[tuple[dict, Response]]:

@@ -39,7 +39,9 @@ class Response:
     first_error: int | None = None  # the first wrong token of a wrong answer; None: right or not placed
 
     def __post_init__(self):
-        lengths = {len(self.tokens), len(self.advantages), len(self.in_loss), len(self.trained or self.tokens)}
+        if not self.trained:
+            object.__setattr__(self, "trained", (True,) * len(self.tokens))
+        lengths = {len(self.tokens), len(self.advantages), len(self.in_loss), len(self.trained)}
         if len(lengths) != 1:
             raise ValueError(f"response {self.response_id}: tokens, advantages, in_loss and trained differ in length")
         if self.first_error is not None and not 0 <= self.first_error < len(self.tokens):
@@ -48,10 +50,6 @@ class Response:
     @property
     def right(self) -> bool:
         return self.reward >= 1
-
-    @property
-    def trains(self) -> tuple[bool, ...]:
-        return self.trained or (True,) * len(self.tokens)
 
 
 @dataclass(frozen=True)
@@ -80,7 +78,7 @@ def net_advantages(group: list[Response]) -> dict[str, list[float]]:
     each of its tokens in the same context (the same token prefix), by response id."""
     totals: dict[tuple[int, ...], float] = defaultdict(float)
     for response in group:
-        for t, (advantage, trains) in enumerate(zip(response.advantages, response.trains)):
+        for t, (advantage, trains) in enumerate(zip(response.advantages, response.trained)):
             if trains:
                 totals[response.tokens[: t + 1]] += advantage
     return {r.response_id: [totals.get(r.tokens[: t + 1], 0.0) for t in range(len(r.tokens))] for r in group}
