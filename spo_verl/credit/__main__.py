@@ -1,7 +1,7 @@
 """Where each estimator puts the blame, measured on the same rollouts.
 
     python -m spo_verl.credit [--tasks steps2,steps4,steps6] [--prompts 32] [--setups study,cutpoint,wide]
-                              [--output-dir docs/results/credit] [--quick]
+                              [--output-dir docs/results/credit] [--quick] [--from-responses CSV]
 
 For each task of the cpu-smollm2 setting (SmolLM2-135M-Instruct; the horizon tasks ``steps<k>`` work a
 sum in k steps) and each SPO-tree configuration, one tree per held-out-style problem is sampled by the
@@ -137,6 +137,8 @@ def summary_rows(path: Path, resamples: int = 1000) -> list[dict]:
     out = []
     for (task, horizon, setup, estimator), responses in by_key.items():
         groups = groups_of(responses)
+        # What the trees generated: each distinct prefix of a prompt's responses is one generated token.
+        generated = len({(r.prompt_uid, r.tokens[: t + 1]) for r in responses for t in range(len(r.tokens))})
         for view in VIEWS:
             summary = summarise(groups, view)
             intervals = bootstrap(groups, view, resamples=resamples)
@@ -145,6 +147,7 @@ def summary_rows(path: Path, resamples: int = 1000) -> list[dict]:
                 low, high = intervals.get(measure, (None, None))
                 out.append({"task": task, "horizon": horizon, "setup": setup, "estimator": estimator, "view": view,
                             "measure": measure, "value": value, "low": low, "high": high, "prompts": len(groups),
+                            "responses": len(responses), "generated_tokens": generated,
                             "wrong_placed": summary.wrong_placed, "wrong_not_placed": summary.wrong_not_placed,
                             "right": summary.right})
     return out
@@ -157,7 +160,7 @@ def write_summary(rows: list[dict], csv_path: Path, table_path: Path) -> None:
         writer.writerows(rows)
     fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     lines = ["| task | k | setup | estimator | view | blame on the error | mean advantage on right steps | "
-             "right steps net negative | wrong placed / not / right |", "|---|---|---|---|---|---|---|---|---|"]
+             "right steps net negative | wrong placed / not / right | tree tokens |", "|---|---|---|---|---|---|---|---|---|---|"]
     cells: dict[tuple, dict] = {}
     for row in rows:
         cells.setdefault((row["task"], row["horizon"], row["setup"], row["estimator"], row["view"]), {})[row["measure"]] = row
@@ -168,7 +171,8 @@ def write_summary(rows: list[dict], csv_path: Path, table_path: Path) -> None:
             text.append(f"{fmt(row['value'])} [{fmt(row['low'])}, {fmt(row['high'])}]")
         counts = measures["on_error"]
         lines.append(f"| {task} | {horizon} | {setup} | {estimator} | {view} | " + " | ".join(text)
-                     + f" | {counts['wrong_placed']} / {counts['wrong_not_placed']} / {counts['right']} |")
+                     + f" | {counts['wrong_placed']} / {counts['wrong_not_placed']} / {counts['right']} | "
+                     f"{counts['generated_tokens']} |")
     table_path.write_text("\n".join(lines) + "\n")
 
 
@@ -180,7 +184,14 @@ def main(argv=None) -> int:
     parser.add_argument("--setups", default=",".join(SMOLLM2_SETUPS), help=f"of {','.join(SMOLLM2_SETUPS)}")
     parser.add_argument("--output-dir", type=Path, default=Path("outputs/credit"))
     parser.add_argument("--quick", action="store_true", help="cpu-tiny, 8 prompts: the pipeline in minutes")
+    parser.add_argument("--from-responses", type=Path, help="sample nothing: recompute summary.csv and table.md "
+                                                             "in --output-dir from this responses.csv")
     args = parser.parse_args(argv)
+    if args.from_responses is not None:
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+        write_summary(summary_rows(args.from_responses), args.output_dir / "summary.csv", args.output_dir / "table.md")
+        print((args.output_dir / "table.md").read_text(), end="")
+        return 0
     from spo_verl.cpu_settings.smollm2 import TASKS
 
     if args.prompts < 2:
