@@ -194,3 +194,15 @@ def test_the_tables_recompute_from_responses_csv(tmp_path):
     assert (on_error["net"]["wrong_placed"], on_error["net"]["right"], on_error["net"]["prompts"]) == (2, 1, 2)
     write_summary(rows, tmp_path / "summary.csv", tmp_path / "table.md")
     assert "| steps3 | 3 | study | spo_tree | all tokens | 0.75 [" in (tmp_path / "table.md").read_text()
+
+
+def test_the_paired_difference_to_grpo_is_over_the_same_responses():
+    from spo_verl.credit.blame import paired_difference
+
+    spo = [[response("p", "a", 0.0, [1, 2, 3, 4], [0, 0, -1, -1], first_error=2),
+            response("p", "b", 0.0, [1, 5, 6, 7], [0, -1, -1, -1], first_error=3)]]
+    grpo = [[response("p", "a", 0.0, [1, 2, 3, 4], [-0.5] * 4, first_error=2),
+             response("p", "b", 0.0, [1, 5, 6, 7], [-0.5] * 4, first_error=3)]]
+    # a: 1.0 against 0.5; b: 1/3 against 1/4.
+    value, (low, high) = paired_difference(spo, grpo, "all tokens", resamples=20)
+    assert value == pytest.approx(((1.0 - 0.5) + (1 / 3 - 0.25)) / 2) and low == high == pytest.approx(value)

@@ -25,7 +25,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from spo_verl.credit.blame import MEASURES, VIEWS, Response, bootstrap, summarise
+from spo_verl.credit.blame import MEASURES, VIEWS, Response, bootstrap, paired_difference, summarise
 from spo_verl.credit.rollouts import TreeSetup, groups_of
 
 THRESHOLD = 0.9  # algorithm.spo.prob_mask.threshold
@@ -150,6 +150,12 @@ def summary_rows(path: Path, resamples: int = 1000) -> list[dict]:
                             "responses": len(responses), "generated_tokens": generated,
                             "wrong_placed": summary.wrong_placed, "wrong_not_placed": summary.wrong_not_placed,
                             "right": summary.right})
+            baseline = by_key.get((task, horizon, setup, "grpo"))
+            if estimator != "grpo" and baseline is not None:
+                # On the same responses: this estimator's blame on the error minus GRPO's, per response.
+                value, interval = paired_difference(groups, groups_of(baseline), view, resamples=resamples)
+                out.append({**out[-1], "measure": "on_error_minus_grpo", "value": value,
+                            "low": interval[0] if interval else None, "high": interval[1] if interval else None})
     return out
 
 
@@ -159,16 +165,17 @@ def write_summary(rows: list[dict], csv_path: Path, table_path: Path) -> None:
         writer.writeheader()
         writer.writerows(rows)
     fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
-    lines = ["| task | k | setup | estimator | view | blame on the error | mean advantage on right steps | "
-             "right steps net negative | wrong placed / not / right | tree tokens |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| task | k | setup | estimator | view | blame on the error | minus GRPO's, same responses | "
+             "mean advantage on right steps | right steps net negative | wrong placed / not / right | tree tokens |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     cells: dict[tuple, dict] = {}
     for row in rows:
         cells.setdefault((row["task"], row["horizon"], row["setup"], row["estimator"], row["view"]), {})[row["measure"]] = row
     for (task, horizon, setup, estimator, view), measures in cells.items():
         text = []
-        for name in ("on_error", "right_steps_mean", "right_steps_negative_share"):
-            row = measures[name]
-            text.append(f"{fmt(row['value'])} [{fmt(row['low'])}, {fmt(row['high'])}]")
+        for name in ("on_error", "on_error_minus_grpo", "right_steps_mean", "right_steps_negative_share"):
+            row = measures.get(name)
+            text.append("-" if row is None else f"{fmt(row['value'])} [{fmt(row['low'])}, {fmt(row['high'])}]")
         counts = measures["on_error"]
         lines.append(f"| {task} | {horizon} | {setup} | {estimator} | {view} | " + " | ".join(text)
                      + f" | {counts['wrong_placed']} / {counts['wrong_not_placed']} / {counts['right']} | "

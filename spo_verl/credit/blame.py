@@ -174,3 +174,40 @@ def bootstrap(groups: list[list[Response]], view: str, resamples: int = 1000, se
         high = values[min(len(values) - 1, math.ceil((1 - tail) * len(values)) - 1)]
         intervals[name] = (low, high)
     return intervals
+
+
+def blame_on_error_of(group: list[Response], view: str) -> dict[str, float]:
+    """Each placed wrong response's blame on the error in ``view``, by response id (where defined)."""
+    net = net_advantages(group) if view == "net" else {}
+    shares = {}
+    for response in group:
+        if not response.right and response.first_error is not None:
+            advantages, counted = view_of(response, view, net)
+            share = blame(advantages, response.first_error, counted).on_error
+            if share is not None:
+                shares[response.response_id] = share
+    return shares
+
+
+def paired_difference(groups: list[list[Response]], baseline: list[list[Response]], view: str, resamples: int = 1000,
+                      seed: int = 0, level: float = 0.95) -> tuple[float | None, tuple[float, float] | None]:
+    """The mean over responses of (blame on the error under one estimator) minus (under ``baseline``)
+    on the same responses, with a percentile interval over prompts. ``groups`` and ``baseline`` hold
+    the same prompts' responses, in the same order."""
+    per_prompt = []
+    for group, base in zip(groups, baseline):
+        ours, theirs = blame_on_error_of(group, view), blame_on_error_of(base, view)
+        per_prompt.append([ours[rid] - theirs[rid] for rid in ours if rid in theirs])
+
+    def mean(prompts):
+        values = [d for prompt in prompts for d in prompt]
+        return sum(values) / len(values) if values else None
+
+    point = mean(per_prompt)
+    if point is None:
+        return None, None
+    rng = random.Random(seed)
+    draws = sorted(d for d in (mean([per_prompt[rng.randrange(len(per_prompt))] for _ in per_prompt])
+                               for _ in range(resamples)) if d is not None)
+    tail = (1 - level) / 2
+    return point, (draws[max(0, math.floor(tail * len(draws)))], draws[min(len(draws) - 1, math.ceil((1 - tail) * len(draws)) - 1)])
