@@ -72,7 +72,7 @@ def test_a_summary_counts_each_kind_of_response_and_averages_the_placed_ones():
         response("p", "e", 1.0, [1, 9, 9, 8], [0.5, 0.5, 0.5, 0.5]),
     ]
     summary = summarise([group], "all tokens")
-    assert (summary.wrong_placed, summary.wrong_not_placed, summary.right) == (2, 1, 2)
+    assert (summary.wrong_placed, summary.wrong_not_placed, summary.right, summary.blamed) == (2, 1, 2, 2)
     assert summary.on_error == pytest.approx((1.0 + 0.75) / 2)
     assert summary.right_steps_mean == pytest.approx((0.0 - 0.5) / 2)
     assert summary.right_steps_negative_share == 0.5

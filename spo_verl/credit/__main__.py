@@ -149,7 +149,7 @@ def summary_rows(path: Path, resamples: int = 1000) -> list[dict]:
                             "measure": measure, "value": value, "low": low, "high": high, "prompts": len(groups),
                             "responses": len(responses), "generated_tokens": generated,
                             "wrong_placed": summary.wrong_placed, "wrong_not_placed": summary.wrong_not_placed,
-                            "right": summary.right})
+                            "right": summary.right, "blamed": summary.blamed})
             baseline = by_key.get((task, horizon, setup, "grpo"))
             if estimator != "grpo" and baseline is not None:
                 # On the same responses: this estimator's blame on the error minus GRPO's, per response.
@@ -166,8 +166,8 @@ def write_summary(rows: list[dict], csv_path: Path, table_path: Path) -> None:
         writer.writerows(rows)
     fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     lines = ["| task | k | setup | estimator | view | blame on the error | minus GRPO's, same responses | "
-             "mean advantage on right steps | right steps net negative | wrong placed / not / right | tree tokens |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "mean advantage on right steps | right steps net negative | wrong placed / not / right | blamed | tree tokens |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     cells: dict[tuple, dict] = {}
     for row in rows:
         cells.setdefault((row["task"], row["horizon"], row["setup"], row["estimator"], row["view"]), {})[row["measure"]] = row
@@ -179,7 +179,7 @@ def write_summary(rows: list[dict], csv_path: Path, table_path: Path) -> None:
         counts = measures["on_error"]
         lines.append(f"| {task} | {horizon} | {setup} | {estimator} | {view} | " + " | ".join(text)
                      + f" | {counts['wrong_placed']} / {counts['wrong_not_placed']} / {counts['right']} | "
-                     f"{counts['generated_tokens']} |")
+                     f"{counts['blamed']} | {counts['generated_tokens']} |")
     table_path.write_text("\n".join(lines) + "\n")
 
 

@@ -112,6 +112,7 @@ class Summary:
     wrong_placed: int = 0
     wrong_not_placed: int = 0
     right: int = 0
+    blamed: int = 0  # placed wrong responses with some negative advantage (where blame on the error is defined)
     on_error: float | None = None
     right_steps_mean: float | None = None
     right_steps_negative_share: float | None = None
@@ -152,6 +153,7 @@ def summarise(groups: list[list[Response]], view: str) -> Summary:
                 measured["right_steps_negative_share"].append(measures.right_steps_negative)
     for name in MEASURES:
         setattr(summary, name, _mean(measured[name]))
+    summary.blamed = sum(share is not None for share in measured["on_error"])
     return summary
 
 
