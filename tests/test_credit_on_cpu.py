@@ -3,6 +3,7 @@ that localises an error perfectly, GRPO's uniform advantage, the probability mas
 of identical tokens in the same context; and the rollouts they read, through verl's agent loop and
 advantage step on verl's server."""
 
+import gzip
 import math
 
 import pytest
@@ -188,6 +189,9 @@ def test_the_tables_recompute_from_responses_csv(tmp_path):
     path = tmp_path / "responses.csv"
     write_responses(path, [(task, setup, "spo_tree", r) for r in group])
     assert [r for _, r in read_responses(path)] == group
+    packed = tmp_path / "responses.csv.gz"  # as docs/results/credit keeps it
+    packed.write_bytes(gzip.compress(path.read_bytes()))
+    assert [r for _, r in read_responses(packed)] == group
     rows = summary_rows(path, resamples=50)
     on_error = {row["view"]: row for row in rows if row["measure"] == "on_error"}
     assert on_error["all tokens"]["value"] == pytest.approx((1.0 + 0.5) / 2)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import csv
+import gzip
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,9 +117,10 @@ def write_responses(path: Path, rows: list[tuple[Task, TreeSetup, str, Response]
 
 
 def read_responses(path: Path) -> list[tuple[dict, Response]]:
-    """``responses.csv`` back as (its task columns, a :class:`Response`), to recompute the tables."""
+    """``responses.csv`` (or its gzip, ``.csv.gz``) back as (its task columns, a :class:`Response`), to
+    recompute the tables."""
     rows = []
-    with open(path, newline="") as handle:
+    with (gzip.open(path, "rt", newline="") if str(path).endswith(".gz") else open(path, newline="")) as handle:
         for row in csv.DictReader(handle):
             numbers = lambda key, kind: tuple(kind(v) for v in row[key].split())  # noqa: E731
             rows.append((row, Response(row["prompt_uid"], row["response_id"], float(row["reward"]),

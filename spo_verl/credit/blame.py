@@ -130,40 +130,57 @@ def _mean(values: list) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+@dataclass
+class _GroupMeasures:
+    """One prompt group's counts and per-response measures in one view (summed over groups)."""
+
+    counts: dict[str, int]
+    measured: dict[str, list]
+
+
+def _group_measures(group: list[Response], view: str) -> _GroupMeasures:
+    counts = {"wrong_placed": 0, "wrong_not_placed": 0, "right": 0}
+    measured: dict[str, list] = defaultdict(list)
+    net = net_advantages(group) if view == "net" else {}
+    for response in group:
+        advantages, counted = view_of(response, view, net)
+        if response.right:
+            counts["right"] += 1
+            shown = [a for a, c in zip(advantages, counted) if c]
+            measured["right_with_negative_share"].append(any(a < 0 for a in shown))
+            measured["right_negative_position"].append(negative_position(shown))
+        elif response.first_error is None:
+            counts["wrong_not_placed"] += 1
+        else:
+            counts["wrong_placed"] += 1
+            measures = blame(advantages, response.first_error, counted)
+            measured["on_error"].append(measures.on_error)
+            measured["right_steps_mean"].append(measures.right_steps_mean)
+            measured["right_steps_negative_share"].append(measures.right_steps_negative)
+    return _GroupMeasures(counts, measured)
+
+
+def _combine(parts: list[_GroupMeasures]) -> Summary:
+    summary = Summary(**{name: sum(part.counts[name] for part in parts) for name in ("wrong_placed", "wrong_not_placed", "right")})
+    for name in MEASURES:
+        setattr(summary, name, _mean([value for part in parts for value in part.measured[name]]))
+    summary.blamed = sum(share is not None for part in parts for share in part.measured["on_error"])
+    return summary
+
+
 def summarise(groups: list[list[Response]], view: str) -> Summary:
     """Means over the responses of ``groups`` (each a prompt's responses under one estimator)."""
-    summary = Summary()
-    measured: dict[str, list] = defaultdict(list)
-    for group in groups:
-        net = net_advantages(group) if view == "net" else {}
-        for response in group:
-            advantages, counted = view_of(response, view, net)
-            if response.right:
-                summary.right += 1
-                shown = [a for a, c in zip(advantages, counted) if c]
-                measured["right_with_negative_share"].append(any(a < 0 for a in shown))
-                measured["right_negative_position"].append(negative_position(shown))
-            elif response.first_error is None:
-                summary.wrong_not_placed += 1
-            else:
-                summary.wrong_placed += 1
-                measures = blame(advantages, response.first_error, counted)
-                measured["on_error"].append(measures.on_error)
-                measured["right_steps_mean"].append(measures.right_steps_mean)
-                measured["right_steps_negative_share"].append(measures.right_steps_negative)
-    for name in MEASURES:
-        setattr(summary, name, _mean(measured[name]))
-    summary.blamed = sum(share is not None for share in measured["on_error"])
-    return summary
+    return _combine([_group_measures(group, view) for group in groups])
 
 
 def bootstrap(groups: list[list[Response]], view: str, resamples: int = 1000, seed: int = 0,
               level: float = 0.95) -> dict[str, tuple[float, float]]:
     """Percentile intervals of each measure over prompts: the prompt groups resampled with replacement."""
+    parts = [_group_measures(group, view) for group in groups]  # each group measured once
     rng = random.Random(seed)
     draws: dict[str, list[float]] = defaultdict(list)
     for _ in range(resamples):
-        sample = summarise([groups[rng.randrange(len(groups))] for _ in groups], view)
+        sample = _combine([parts[rng.randrange(len(parts))] for _ in parts])
         for name in MEASURES:
             value = getattr(sample, name)
             if value is not None:
