@@ -47,6 +47,7 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=_tier)
 
 
+@pytest.hookimpl(tryfirst=True)  # before the item's fixtures are set up
 def pytest_runtest_setup(item):
     """The end-to-end runs start their own Ray and vLLM: the session's server (memory, a Ray instance
     in this process) is no longer needed by then (no server test runs after them)."""
