@@ -29,7 +29,7 @@ import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -167,7 +167,6 @@ class Case:
     first: Run
     resumed: Run | None
     checkpoints: Path
-    extra: dict = field(default_factory=dict)
 
 
 def _launch(script: str, env: dict, args: list[str], log: Path, metrics: Path) -> Run:
