@@ -110,15 +110,15 @@ async def test_tree_and_grpo_advantages_of_the_same_leaves_through_verl(llm_clie
     import statistics
 
     from spo_verl.algorithms import tree_advantages, tree_values
-    from spo_verl.credit.rollouts import TreeSetup, sample_trees, tree_and_grpo_responses, tree_config
+    from spo_verl.credit.rollouts import TreeSetup, rollout_config, sample_rollouts, tree_and_grpo_responses
 
     model_dir, tokenizer = tiny_model
     setup = TreeSetup("test", (3, 2), (6,))
-    config = tree_config(model_dir, setup, prompt_length=64, response_length=24)
+    config = rollout_config(model_dir, setup, prompt_length=64, response_length=24)
     problems = [(f"c{i}", [{"role": "user", "content": f"Add {i} and {7 * i}."}], "") for i in range(3)]
     # A toy reward that varies between the tiny model's random answers: an even number of characters.
     score = lambda text, truth: float(len(text) % 2 == 0)  # noqa: E731
-    leaves = await sample_trees(config, llm_client, tokenizer, problems, score=score)
+    leaves = await sample_rollouts(config, llm_client, tokenizer, problems, score=score)
     asked = []
 
     def locate(uid, texts, reward):  # the step checker's place: here only what it is given is checked

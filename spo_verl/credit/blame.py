@@ -37,6 +37,7 @@ class Response:
     in_loss: tuple[bool, ...]  # the probability mask (and the response mask)
     trained: tuple[bool, ...] = ()  # the row trains this token (default: every token)
     first_error: int | None = None  # the first wrong token of a wrong answer; None: right or not placed
+    mc_tokens: int = 0  # tokens generated to value this response's boundaries (SPO-chain's continuations)
 
     def __post_init__(self):
         if not self.trained:

@@ -1,8 +1,8 @@
-"""The rollouts the credit measures read: SPO trees sampled by the ``spo_tree`` agent loop on verl's vLLM
-server, every leaf scored by verl's GSM8K reward, and on the same leaves the advantages that SPO-tree
-(verl's advantage step with the trees' metadata, as the trainers call it), SPO-tree with each value
-pooled over identical prefixes, and verl's GRPO (grouped by prompt, normalised by the group's standard
-deviation, as verl's default) hand the loss.
+"""The rollouts the credit measures read: SPO trees sampled by the ``spo_tree`` agent loop and SPO chains by
+the ``spo_chain`` agent loop on verl's vLLM server, every response scored by verl's GSM8K reward, and on
+the same responses the advantages that SPO-tree or SPO-chain (verl's advantage step with the rollouts'
+metadata, as the trainers call it), SPO-tree with each value pooled over identical prefixes, and verl's
+GRPO (grouped by prompt, normalised by the group's standard deviation, as verl's default) hand the loss.
 
 For SPO-tree each token carries its segment's advantage (a segment shared by several leaves carries it
 in each of them; ``trained`` marks the row that trains it, as the trainer does), so a response reads as
@@ -46,8 +46,29 @@ class TreeSetup:
         return leaf_slots(section)
 
 
-def tree_config(model_dir: str, setup: TreeSetup, prompt_length: int, response_length: int):
-    """verl's trainer configuration of an SPO-tree rollout of ``setup`` (what the agent loop reads)."""
+@dataclass(frozen=True)
+class ChainSetup:
+    """An SPO-chain configuration to measure (``algorithm.spo.chain``): ``responses`` a prompt
+    (``rollout.n``), cut at cutpoints every ``cutpoint_interval`` tokens, each boundary valued by
+    ``mc_samples`` continuations."""
+
+    name: str
+    responses: int
+    cutpoint_interval: int
+    mc_samples: int
+
+    def overrides(self) -> list[str]:
+        chain = "algorithm.spo.chain"
+        return [f"+{chain}.partition=cutpoint", f"+{chain}.cutpoint_interval={self.cutpoint_interval}",
+                f"+{chain}.mc_samples={self.mc_samples}"]
+
+    def leaf_slots(self) -> int:
+        return self.responses
+
+
+def rollout_config(model_dir: str, setup: TreeSetup | ChainSetup, prompt_length: int, response_length: int):
+    """verl's trainer configuration of an SPO-tree or SPO-chain rollout of ``setup`` (what the agent
+    loop reads)."""
     from spo_verl.testing.verl_harness import compose_ppo_trainer
 
     return compose_ppo_trainer(
@@ -55,7 +76,7 @@ def tree_config(model_dir: str, setup: TreeSetup, prompt_length: int, response_l
         f"actor_rollout_ref.rollout.n={setup.leaf_slots()}",
         f"actor_rollout_ref.rollout.prompt_length={prompt_length}",
         f"actor_rollout_ref.rollout.response_length={response_length}",
-        "actor_rollout_ref.rollout.agent.default_agent_loop=spo_tree",
+        f"actor_rollout_ref.rollout.agent.default_agent_loop={'spo_chain' if isinstance(setup, ChainSetup) else 'spo_tree'}",
         *setup.overrides(),
     )
 
@@ -77,17 +98,26 @@ def gsm8k_score(text: str, truth: str) -> float:
     return float(compute_score(text, truth))
 
 
-async def sample_trees(config, server, tokenizer, problems: Sequence[tuple[str, list[dict], str]],
-                       score=gsm8k_score) -> list[Leaf]:
-    """One tree per problem ``(uid, chat messages, ground truth)``, every leaf scored by ``score(decoded
-    response, ground truth)``."""
+GSM8K_SOURCE = "openai/gsm8k"  # the data_source verl's default reward scores with its GSM8K scorer
+
+
+async def sample_rollouts(config, server, tokenizer, problems: Sequence[tuple[str, list[dict], str]],
+                          score=gsm8k_score) -> list[Leaf]:
+    """One tree (or ``rollout.n`` chains) per problem ``(uid, chat messages, ground truth)``, by the
+    agent loop ``config`` names, every response scored by ``score(decoded response, ground truth)``.
+    The chain loop scores its Monte Carlo continuations itself, by verl's reward for the row's
+    ``data_source`` (GSM8K's, the same scorer)."""
     import asyncio
 
+    from spo_verl.agent_loops.chain_agent_loop import SPOChainAgentLoop
     from spo_verl.agent_loops.tree_agent_loop import SPOTreeAgentLoop
     from spo_verl.testing.verl_harness import run_sessions
 
+    loop = SPOChainAgentLoop if config.actor_rollout_ref.rollout.agent.default_agent_loop == "spo_chain" else SPOTreeAgentLoop
+
     async def one(uid, messages, truth):
-        outputs = await run_sessions(SPOTreeAgentLoop, config, server, tokenizer, uid, messages, sampling_params=SAMPLING)
+        outputs = await run_sessions(loop, config, server, tokenizer, uid, messages, sampling_params=SAMPLING,
+                                     data_source=GSM8K_SOURCE, reward_model={"ground_truth": truth})
         return [Leaf(uid, out, score(tokenizer.decode(out.response_ids, skip_special_tokens=True), truth))
                 for out in outputs if out != []]
 
@@ -167,6 +197,31 @@ def tree_and_grpo_responses(leaves: list[Leaf], config, tokenizer, threshold: fl
                       in_loss=tuple(in_loss), first_error=first_error)
         views["spo_tree"].append(Response(advantages=tuple(per_token), trained=tuple(trained), **common))
         views["spo_tree_pooled"].append(Response(advantages=tuple(pooled_per_token), trained=tuple(trained), **common))
+        views["grpo"].append(Response(advantages=tuple(float(a) for a in grpo_advantages[i, :length]), **common))
+    return views
+
+
+def chain_and_grpo_responses(leaves: list[Leaf], config, tokenizer, threshold: float,
+                             locate) -> dict[str, list[Response]]:
+    """Two views of the same chains, by estimator: ``spo_chain`` (verl's advantage step with the chains'
+    metadata: each segment's ``V(after) - V(before)`` on its tokens) and ``grpo`` (verl's, over the
+    same responses). ``locate`` as for :func:`tree_and_grpo_responses`."""
+    from spo_verl.algorithms.masked_loss import probability_mask
+
+    rows = [leaf.output.extra_fields["spo"] for leaf in leaves]
+    chain_advantages, _ = _verl_advantages(leaves, "spo_chain", config, rows)
+    grpo_advantages, _ = _verl_advantages(leaves, "grpo", config)
+    views: dict[str, list[Response]] = {"spo_chain": [], "grpo": []}
+    for i, leaf in enumerate(leaves):
+        ids = list(leaf.output.response_ids)
+        length = len(ids)
+        log_probs = torch.tensor(leaf.output.response_logprobs[:length], dtype=torch.float32)
+        in_loss = probability_mask(log_probs, torch.ones(length), threshold).bool().tolist()
+        texts = [tokenizer.decode([token]) for token in ids]
+        common = dict(prompt_uid=leaf.uid, response_id=f"{leaf.uid}-{i}", reward=leaf.score, tokens=tuple(ids),
+                      in_loss=tuple(in_loss), first_error=locate(leaf.uid, texts, leaf.score),
+                      mc_tokens=int(rows[i]["chain"]["mc_tokens"]))
+        views["spo_chain"].append(Response(advantages=tuple(float(a) for a in chain_advantages[i, :length]), **common))
         views["grpo"].append(Response(advantages=tuple(float(a) for a in grpo_advantages[i, :length]), **common))
     return views
 
