@@ -98,6 +98,7 @@ cpu_setting_args() {
     actor_rollout_ref.rollout.agent.num_workers=1
     actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=64
     transfer_queue.backend.SimpleStorage.num_data_storage_units=1
+    algorithm.spo.credit_metrics=true   # the CPU tasks' answers work a sum step by step: spo/credit/* each step
     reward.num_workers=1
     trainer.device=cpu
     +ray_kwargs.ray_init.num_gpus=1                 # logical GPUs: verl's resource pools ask for GPU

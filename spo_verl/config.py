@@ -154,6 +154,9 @@ class SPOSettings:
     cost more than it saves). ``packed_training_check``: in the first actor update, also run each
     packed micro-batch per row (no gradient) and log how far the packed log-probs and loss are from it
     (``spo/packing/check/*``).
+    ``credit_metrics``: each step, where each wrong answer's negative advantage falls relative to its
+    first wrong step (``spo/credit/*``), for tasks whose answers work a generated sum one equation a
+    step (``spo_verl.cpu_settings.answer_errors``; answers it cannot place are counted, not measured).
     """
 
     prob_mask: ProbMaskSettings = field(default_factory=ProbMaskSettings)
@@ -166,6 +169,7 @@ class SPOSettings:
     packed_chunk_tokens: int = 4096
     packed_max_token_ratio: float = 0.9
     packed_training_check: bool = False
+    credit_metrics: bool = False
 
 
 # Settings that moved: the old key -> where it is now.
@@ -267,6 +271,7 @@ _CHECKS = {
     "packed_chunk_tokens": _positive_int,
     "packed_max_token_ratio": _probability,
     "packed_training_check": _boolean,
+    "credit_metrics": _boolean,
 }
 
 

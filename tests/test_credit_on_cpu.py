@@ -97,6 +97,69 @@ def test_inconsistent_responses_are_refused():
         summarise([[response("p", "a", 0.0, [1], [0.1])]], "everything")
 
 
+def test_online_metrics_of_a_step_name_every_measure_and_leave_out_what_is_undefined():
+    from spo_verl.credit.online import credit_metrics
+
+    # A perfect localiser on p0 (its wrong answer's negative mass all from token 2 on); p1 has one
+    # wrong answer nobody blames and one whose error could not be placed.
+    step = [response("p0", "a", 0.0, [1, 2, 3, 4], [0.0, 0.0, -1.0, -1.0], first_error=2),
+            response("p0", "b", 1.0, [1, 2, 5, 6], [0.0, 0.0, 1.0, 1.0]),
+            response("p1", "c", 0.0, [7, 8], [0.0, 0.0], first_error=1),
+            response("p1", "d", 0.0, [7, 9], [0.0, 0.0])]
+    metrics = credit_metrics(step)
+    assert metrics == {
+        "spo/credit/right_answers": 1.0, "spo/credit/wrong_answers_placed": 2.0,
+        "spo/credit/wrong_answers_not_placed": 1.0, "spo/credit/wrong_answers_blamed": 1.0,
+        "spo/credit/blame_on_error": 1.0, "spo/credit/blame_on_error_masked": 1.0, "spo/credit/blame_on_error_net": 1.0,
+        "spo/credit/right_steps_advantage_mean": 0.0, "spo/credit/right_steps_negative_fraction": 0.0,
+        "spo/credit/right_answers_negative_fraction": 0.0,
+    }
+    # Only right answers: no blame to measure, so no blame metric at all (not a 0 that reads as "none on the error").
+    only_right = credit_metrics([response("p", "r", 1.0, [1], [0.0])])
+    assert "spo/credit/blame_on_error" not in only_right and only_right["spo/credit/right_answers"] == 1.0
+
+
+def test_value_check_prefixes_cover_boundaries_and_both_sides_of_the_first_error_round_robin():
+    from spo_verl.credit.values import Prefix, choose_prefixes
+
+    boundaries = [[0, 4, 9], [0, 3], [0, 5], [0, 2]]
+    first_errors = [6, None, 3, None]
+    prompts = ["p0", "p0", "p1", "p1"]
+    # Round robin: p0's first response, p1's first, then the second ones; the error adds 6 and 7.
+    assert choose_prefixes(boundaries, first_errors, prompts, at_least=6) == [
+        Prefix(0, 0, "boundary"), Prefix(0, 4, "boundary"), Prefix(0, 6, "before_error"), Prefix(0, 7, "after_error"),
+        Prefix(0, 9, "boundary"),
+        Prefix(2, 0, "boundary"), Prefix(2, 3, "before_error"), Prefix(2, 4, "after_error"), Prefix(2, 5, "boundary")]
+    # An error at a boundary: the prefix is kept once, as the error's.
+    assert choose_prefixes([[0, 3]], [3], ["p"], at_least=1) == [
+        Prefix(0, 0, "boundary"), Prefix(0, 3, "before_error"), Prefix(0, 4, "after_error")]
+
+
+def test_value_check_summary_bias_spread_and_the_change_across_the_error():
+    from spo_verl.credit.values import ValueRow, steps, summary
+
+    def row(rid, reward, error, length, kind, estimate, reference):
+        return ValueRow("p", rid, reward, error, length, kind, estimate, 4, reference, 32)
+
+    rows = [  # a wrong answer: boundaries 0, 4, 9; error at 6
+        row("w", 0.0, 6, 0, "boundary", 0.5, 0.5), row("w", 0.0, 6, 4, "boundary", 0.75, 0.625),
+        row("w", 0.0, 6, 6, "before_error", 0.5, 0.5), row("w", 0.0, 6, 7, "after_error", 0.0, 0.125),
+        row("w", 0.0, 6, 9, "boundary", 0.0, 0.0),
+        # a right answer: boundaries 0, 5
+        row("r", 1.0, None, 0, "boundary", 0.25, 0.5), row("r", 1.0, None, 5, "boundary", 1.0, 0.875)]
+    changes = steps(rows)
+    assert changes["wrong_token"] == [pytest.approx(0.125 - 0.5)]
+    assert changes["wrong_segment"] == [pytest.approx(0.0 - 0.625)]  # 4 -> 9 holds the error
+    assert sorted(changes["right_segment"]) == pytest.approx([0.125, 0.375])  # 0 -> 4 in w, 0 -> 5 in r
+    result = summary(rows)
+    errors = [0.0, 0.125, 0.0, -0.125, 0.0, -0.25, 0.125]
+    assert result["bias"] == pytest.approx(sum(errors) / 7)
+    mean = sum(errors) / 7
+    assert result["spread"] == pytest.approx(math.sqrt(sum((e - mean) ** 2 for e in errors) / 6))
+    assert (result["prefixes"], result["responses"], result["prompts"]) == (7, 2, 1)
+    assert result["right_segment_change"] == pytest.approx(0.25) and result["wrong_token_count"] == 1
+
+
 in_session_loop = pytest.mark.asyncio(loop_scope="session")  # verl's server client lives there
 
 
@@ -171,6 +234,59 @@ async def test_tree_and_grpo_advantages_of_the_same_leaves_through_verl(llm_clie
             # The probability mask: the rollout's probability of the token below 0.9.
             probabilities = [math.exp(lp) for lp in leaves[i].output.response_logprobs[: len(tree[i].tokens)]]
             assert list(tree[i].in_loss) == [p < 0.9 for p in probabilities]
+
+
+@in_session_loop
+async def test_chain_and_grpo_advantages_of_the_same_chains_and_their_values_checked_through_verl(llm_client, tiny_model):
+    """Chains sampled by the spo_chain agent loop on verl's server, read through verl's advantage step:
+    every token of segment j carries V(start of j + 1) - V(start of j) from the chain's own boundary
+    values (the reward after the last), GRPO's rows are the same responses; the value check values
+    the chosen prefixes with the estimate's and the reference's numbers of continuations."""
+    import statistics
+
+    from spo_verl.credit.rollouts import ChainSetup, chain_and_grpo_responses, rollout_config, sample_rollouts
+    from spo_verl.credit.values import choose_prefixes, value_prefixes
+
+    model_dir, tokenizer = tiny_model
+    setup = ChainSetup("test", responses=3, cutpoint_interval=1, mc_samples=2)
+    config = rollout_config(model_dir, setup, prompt_length=64, response_length=16)
+    problems = [(f"c{i}", [{"role": "user", "content": f"Add {i} and {3 * i}."}], "7") for i in range(2)]
+    score = lambda text, truth: float(len(text) % 2 == 0)  # noqa: E731  (the leaves' scores, for GRPO)
+    leaves = await sample_rollouts(config, llm_client, tokenizer, problems, score=score)
+    views = chain_and_grpo_responses(leaves, config, tokenizer, 0.9, lambda uid, texts, reward: None)
+    chain, grpo = views["spo_chain"], views["grpo"]
+    assert len(chain) == len(grpo) == len(leaves) == 6
+    for i, leaf in enumerate(leaves):
+        row = leaf.output.extra_fields["spo"]
+        starts, values = row["segment_starts"], row["boundary_values"]
+        # The continuations behind the values are scored by verl's GSM8K reward, the response itself
+        # (the reward after the last segment) by the toy score; a truncated response scores 0.
+        ends = [*starts[1:], len(leaf.output.response_ids)]
+        expected = [0.0] * starts[0] if starts else []
+        after = [*values[1:], 0.0 if row["truncated"] else leaf.score]
+        for start, end, before, later in zip(starts, ends, values, after):
+            expected += [later - before] * (end - start)
+        assert list(chain[i].advantages) == pytest.approx(expected, abs=1e-6)
+        assert chain[i].mc_tokens == row["chain"]["mc_tokens"] and grpo[i].tokens == chain[i].tokens
+    for uid in ("c0", "c1"):
+        members = [i for i, leaf in enumerate(leaves) if leaf.uid == uid]
+        scores = [leaves[i].score for i in members]
+        mean, std = statistics.fmean(scores), statistics.stdev(scores)
+        for i in members:
+            assert grpo[i].advantages == pytest.approx([(leaves[i].score - mean) / (std + 1e-6)] * len(grpo[i].tokens), abs=1e-5)
+    chosen = choose_prefixes([leaf.output.extra_fields["spo"]["segment_starts"] for leaf in leaves], [None] * 6,
+                             [leaf.uid for leaf in leaves], at_least=4)
+
+    async def always_right(token_ids, uid):  # every continuation scores 1 unless cut by the length limit
+        return 1.0
+
+    rows = await value_prefixes(llm_client, leaves, chosen, always_right, estimate_samples=2, reference_samples=5,
+                                response_length=16, eos_token_ids={tokenizer.eos_token_id}, first_errors=[None] * 6)
+    assert [(r.response_id, r.length, r.kind) for r in rows] == [
+        (f"{leaves[p.response].uid}-{p.response}", p.length, p.kind) for p in chosen]
+    for r in rows:
+        assert r.estimate * 2 == round(r.estimate * 2) and r.reference * 5 == pytest.approx(round(r.reference * 5))
+        assert (r.estimate_samples, r.reference_samples) == (2, 5)
 
 
 def test_the_tables_recompute_from_responses_csv(tmp_path):

@@ -394,6 +394,17 @@ def _assert_trained(steps: dict[int, dict], expect: Expect, processes: list[dict
     assert all(data["spo/generated_tokens"] > 0 for data in steps.values())
     last = steps[max(steps)]
     algorithm = expect.algorithm
+    # The CPU settings log where each step's advantages put the blame (algorithm.spo.credit_metrics):
+    # every response counted once, the shares where defined, and the tiny model's answers go wrong at
+    # steps the checker places.
+    for data in steps.values():
+        answers = sum(data[f"spo/credit/{kind}"] for kind in ("right_answers", "wrong_answers_placed", "wrong_answers_not_placed"))
+        if algorithm.startswith("spo_tree"):
+            assert answers == data["spo/tree/leaves_per_tree"] * data["spo/tree/trees"]
+        assert answers > 0 and data["spo/credit/seconds"] >= 0
+        for share in ("blame_on_error", "blame_on_error_masked", "blame_on_error_net", "right_steps_negative_fraction"):
+            assert 0 <= data.get(f"spo/credit/{share}", 0) <= 1, share
+    assert any(data["spo/credit/wrong_answers_placed"] > 0 for data in steps.values())
     if algorithm.startswith("spo_tree"):
         assert last["spo/generated_tokens"] == last["spo/tree/generated_tokens"]
         assert last["spo/tree/trees"] == TRAIN_BATCH
@@ -428,7 +439,7 @@ def _assert_trained(steps: dict[int, dict], expect: Expect, processes: list[dict
     else:
         # Baselines: token counts, and what the packed forward and the old-log-prob probe report.
         spo_keys = {key for data in steps.values() for key in data if key.startswith("spo/")}
-        other = {key for key in spo_keys if not key.startswith(("spo/packing/", "spo/old_log_probs/"))}
+        other = {key for key in spo_keys if not key.startswith(("spo/packing/", "spo/old_log_probs/", "spo/credit/"))}
         assert other == {"spo/generated_tokens", "spo/generated_tokens_cumulative"}, spo_keys
     if algorithm == "ppo":
         assert _finite(last.get("critic/vf_loss"))
@@ -493,6 +504,9 @@ def test_readme_run_script_trains_the_real_model_on_cpu(runs):
             assert _sync_gap(data) < SYNC_BOUND, (step, _sync_gap(data))
             assert data["spo/packing/packed_tokens"] < 0.5 * data["spo/packing/row_tokens"], step
         assert data["spo/tree/trees"] == 4 and data["spo/generated_tokens"] == data["spo/tree/generated_tokens"] > 0
+        # Where the blame went, every leaf counted: the setting's task has a step checker.
+        answers = sum(data[f"spo/credit/{kind}"] for kind in ("right_answers", "wrong_answers_placed", "wrong_answers_not_placed"))
+        assert answers == data["spo/tree/leaves_per_tree"] * data["spo/tree/trees"], step
     assert VALIDATION_KEY in steps[2] and VALIDATION_KEY in steps[4]
 
 

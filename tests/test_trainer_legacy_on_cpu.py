@@ -189,14 +189,14 @@ def logging_trainer(directory, estimator, loss_mode="spo_prob_mask"):
 def actor_update_advantage_step(trainer, data, num_repeat):
     """What SPORayPPOTrainer._update_actor does before verl's update: fit's own advantage step has run
     (zeros for SPO, deferred), then the SPO step with the rows and the sample log."""
-    from spo_verl.trainer.legacy import log_legacy_samples
+    from spo_verl.trainer.legacy import after_legacy_advantages
 
     algorithm = trainer.config.algorithm
     with advantages_at_actor_update():
         compute_advantage(data, adv_estimator=algorithm.adv_estimator, gamma=algorithm.gamma, lam=algorithm.lam,
                           num_repeat=num_repeat, norm_adv_by_std_in_grpo=True, config=algorithm)
     metrics = spo_advantage_step(data, algorithm, num_repeat,
-                                 lambda d, context, mask: log_legacy_samples(trainer, d, context, mask))
+                                 lambda d, context, mask: after_legacy_advantages(trainer, d, context, mask))
     return data, metrics
 
 
@@ -267,3 +267,48 @@ def test_the_trainer_parses_its_spo_settings_once(monkeypatch):
     trainer = object.__new__(SPORayPPOTrainer)
     trainer.config = OmegaConf.create({"algorithm": ALGORITHM})
     assert common.spo_settings_of(trainer) is common.spo_settings_of(trainer) and len(calls) == 1
+
+
+class TextTokenizer:
+    """One token per character (id = code point): a response's tokens are its characters."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(int(i)) for i in ids)
+
+    def batch_decode(self, sequences):
+        return [self.decode(ids) for ids in sequences]
+
+
+def test_credit_metrics_read_the_legacy_batch_after_its_advantage_step():
+    """algorithm.spo.credit_metrics on the legacy trainer: the problem read from the prompt (its last
+    question), the first wrong step placed in the answer, GRPO's advantages measured exactly."""
+    from spo_verl.trainer.legacy import after_legacy_advantages
+
+    prompt = "What is 1 + 1? 1 + 1 = 2. #### 2\nWhat is 3 + 4 + 2?"
+    right, wrong = "3 + 4 = 7. 7 + 2 = 9. #### 9", "3 + 4 = 8. 8 + 2 = 10. #### 10"
+    width = len(wrong)
+    data = legacy_batch([None, None], [1.0, 0.0], [len(right), len(wrong)], width, ["u", "u"])
+    data.batch["prompts"] = torch.tensor([[ord(c) for c in prompt]] * 2)
+    data.batch["attention_mask"] = torch.cat([torch.ones(2, len(prompt), dtype=torch.long),
+                                              data.batch["response_mask"].long()], 1)
+    data.batch["responses"] = torch.tensor([[ord(c) for c in right.ljust(width)], [ord(c) for c in wrong]])
+    data.batch["token_level_scores"] = data.batch["token_level_rewards"].clone()
+    data.batch["old_log_probs"] = torch.full((2, width), float(np.log(0.5)))  # every token in the mask
+    trainer = object.__new__(SPORayPPOTrainer)
+    trainer.config = OmegaConf.create({"algorithm": {"adv_estimator": "grpo", "spo": {"credit_metrics": True}}})
+    trainer.tokenizer, trainer.global_steps = TextTokenizer(), 1
+    grpo = algorithm("grpo", credit_metrics=True)
+    compute_advantage(data, adv_estimator="grpo", num_repeat=2, norm_adv_by_std_in_grpo=True, config=grpo)
+    metrics = spo_advantage_step(data, grpo, 2, lambda d, context, mask: after_legacy_advantages(trainer, d, context, mask))
+    error = wrong.index("8")  # the wrong result of step 1
+    assert metrics["spo/credit/right_answers"] == 1 and metrics["spo/credit/wrong_answers_placed"] == 1
+    assert metrics["spo/credit/wrong_answers_not_placed"] == 0 and metrics["spo/credit/wrong_answers_blamed"] == 1
+    # GRPO: one advantage a response, so the blame on the error is the share of tokens from the error on.
+    assert metrics["spo/credit/blame_on_error"] == pytest.approx((width - error) / width)
+    assert metrics["spo/credit/blame_on_error_masked"] == pytest.approx((width - error) / width)
+    # Net: the two answers share "3 + 4 = ", where +A and -A cancel; what is left is on the error.
+    assert metrics["spo/credit/blame_on_error_net"] == pytest.approx(1.0)
+    assert metrics["spo/credit/right_steps_advantage_mean"] == pytest.approx(-(0.5 ** 0.5), abs=1e-5)
+    assert metrics["spo/credit/right_steps_negative_fraction"] == 1.0
+    assert metrics["spo/credit/right_answers_negative_fraction"] == 0.0
+    assert metrics["spo/credit/seconds"] >= 0

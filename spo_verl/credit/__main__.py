@@ -36,8 +36,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from spo_verl.credit.blame import MEASURES, VIEWS, Response, bootstrap, paired_difference, summarise
-from spo_verl.credit.rollouts import ChainSetup, TreeSetup, groups_of
+from spo_verl.credit.blame import MEASURES, VIEWS, Response, bootstrap, groups_of, paired_difference, summarise
+from spo_verl.credit.rollouts import ChainSetup, TreeSetup
 from spo_verl.credit.values import ValueRow
 
 THRESHOLD = 0.9  # algorithm.spo.prob_mask.threshold

@@ -231,3 +231,11 @@ def paired_difference(groups: list[list[Response]], baseline: list[list[Response
                                for _ in range(resamples)) if d is not None)
     tail = (1 - level) / 2
     return point, (draws[max(0, math.floor(tail * len(draws)))], draws[min(len(draws) - 1, math.ceil((1 - tail) * len(draws)) - 1)])
+
+
+def groups_of(responses: list[Response]) -> list[list[Response]]:
+    """Responses grouped by prompt, in first-seen order."""
+    groups: dict[str, list[Response]] = {}
+    for response in responses:
+        groups.setdefault(response.prompt_uid, []).append(response)
+    return list(groups.values())

@@ -224,12 +224,3 @@ def chain_and_grpo_responses(leaves: list[Leaf], config, tokenizer, threshold: f
         views["spo_chain"].append(Response(advantages=tuple(float(a) for a in chain_advantages[i, :length]), **common))
         views["grpo"].append(Response(advantages=tuple(float(a) for a in grpo_advantages[i, :length]), **common))
     return views
-
-
-def groups_of(responses: list[Response]) -> list[list[Response]]:
-    """Responses grouped by prompt, in first-seen order."""
-    groups: dict[str, list[Response]] = {}
-    for response in responses:
-        groups.setdefault(response.prompt_uid, []).append(response)
-    return list(groups.values())
-

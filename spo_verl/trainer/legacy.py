@@ -10,7 +10,8 @@ it. ``fit`` stays verl's; two methods of the subclass carry SPO:
 * ``_update_actor`` computes the advantages with the batch's ``spo`` column (verl's own
   ``compute_advantage`` with the same arguments ``fit`` uses, the rows in batch order), narrows the
   loss to the trained segments through ``response_mask`` (what the legacy actor update uses as its
-  loss mask), logs samples (``algorithm.spo.sample_log.dir``) and counts generated tokens. It changes
+  loss mask), logs samples (``algorithm.spo.sample_log.dir``) and the credit metrics
+  (``algorithm.spo.credit_metrics``), and counts generated tokens. It changes
   the batch in place, so verl's metrics after the update see the real advantages.
 """
 
@@ -21,10 +22,11 @@ import contextlib
 import torch
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer, compute_advantage
 
-from spo_verl.batch_context import advantages_at_actor_update, provide_spo_rows
+from spo_verl.batch_context import advantages_at_actor_update, is_padding_uid, provide_spo_rows
 from spo_verl.metadata import SPO_FIELD
 from spo_verl.trainer.common import (SPO_ESTIMATORS, batch_metrics, install_spo_actor_loss, plain_validation,
                                      spo_settings_of, uses_spo_metadata)
+from spo_verl.trainer.credit_step import step_credit_metrics
 from spo_verl.trainer.packed_worker import enable_packed_training_on, packed_training_settings
 from spo_verl.trainer.sample_log import SampledResponse, log_step
 from spo_verl.trainer.token_budget import GeneratedTokenBudget, step_generated_tokens
@@ -32,18 +34,18 @@ from spo_verl.trainer.tree_balance import tree_order
 from spo_verl.trainer.v1 import lift_spo_metrics
 
 
-def spo_advantage_step(data, algorithm_config, rollout_n: int, sample_logger=None, settings=None) -> dict[str, float]:
+def spo_advantage_step(data, algorithm_config, rollout_n: int, read_batch=None, settings=None) -> dict[str, float]:
     """The SPO advantage step on a legacy batch, in place: verl's ``compute_advantage`` with the
     batch's ``spo`` column visible to the SPO estimators, then ``response_mask`` narrowed to the trained
     segments. Other estimators' advantages (verl's, from ``fit``) are left as they are.
-    ``sample_logger(data, context, response_mask)``, if given, sees the batch after the advantage
-    step (``context`` None for other estimators), with the response mask before SPO narrows it.
-    Returns the step's ``spo/*`` metrics and its generated tokens (``spo/generated_tokens``)."""
+    ``read_batch(data, context, response_mask)``, if given, sees the batch after the advantage step
+    (``context`` None for other estimators), with the response mask before SPO narrows it, and returns
+    metrics of its own. Returns the step's ``spo/*`` metrics and its generated tokens
+    (``spo/generated_tokens``)."""
     response_mask = data.batch["response_mask"]
     if algorithm_config.adv_estimator not in SPO_ESTIMATORS:
-        if sample_logger is not None:
-            sample_logger(data, None, response_mask)
-        return {"spo/generated_tokens": step_generated_tokens(float(response_mask.sum()), {})}
+        read = read_batch(data, None, response_mask) if read_batch is not None else {}
+        return {**read, "spo/generated_tokens": step_generated_tokens(float(response_mask.sum()), {})}
     column = data.non_tensor_batch.get(SPO_FIELD)
     rows = list(column) if column is not None else [None] * len(data)
     with provide_spo_rows(rows, settings) as context:
@@ -53,43 +55,54 @@ def spo_advantage_step(data, algorithm_config, rollout_n: int, sample_logger=Non
             norm_adv_by_std_in_grpo=algorithm_config.get("norm_adv_by_std_in_grpo", True), config=algorithm_config,
         )
     spo_metrics = batch_metrics(context, response_mask)
-    if sample_logger is not None:
-        sample_logger(data, context, response_mask)
+    if read_batch is not None:
+        spo_metrics.update(read_batch(data, context, response_mask))
     if context.trained_mask is not None:
         data.batch["response_mask"] = response_mask * context.trained_mask.to(response_mask.dtype)
     return {**spo_metrics, "spo/generated_tokens": step_generated_tokens(float(response_mask.sum()), spo_metrics)}
 
 
-def log_legacy_samples(trainer, data, context, response_mask) -> None:
-    """``algorithm.spo.sample_log`` on the legacy trainer's DataProto (left-padded prompts,
-    right-padded responses, both delimited by ``attention_mask``)."""
+def legacy_responses(data, context, response_mask, chosen: list[int]) -> list[SampledResponse]:
+    """Rows ``chosen`` of the legacy trainer's DataProto (left-padded prompts, right-padded responses,
+    both delimited by ``attention_mask``) as plain per-token sequences; ``response_mask`` before SPO
+    narrows it."""
     uids = data.non_tensor_batch["uid"]
-    lengths = response_mask.sum(dim=-1).long().tolist()
     prompt_width = data.batch["prompts"].shape[-1]
     attention = data.batch["attention_mask"].bool()
     trained_mask = context.trained_mask if context is not None else None
+    responses = []
+    for i in chosen:
+        length = int(attention[i, prompt_width:].sum())
+        mask = response_mask[i, :length]
+        trained = mask.bool() if trained_mask is None else mask.bool() & trained_mask[i, :length].bool()
+        responses.append(SampledResponse(
+            batch_index=i, uid=str(uids[i]), row=context.rows[i] if context is not None else None,
+            prompt_ids=data.batch["prompts"][i][attention[i, :prompt_width]].tolist(),
+            response_ids=data.batch["responses"][i, :length].tolist(),
+            log_probs=data.batch["old_log_probs"][i, :length], response_mask=mask,
+            advantages=data.batch["advantages"][i, :length], trained=trained,
+            score=float(data.batch["token_level_scores"][i].sum()),
+        ))
+    return responses
 
-    def fetch(chosen):
-        responses = []
-        for i in chosen:
-            length = int(attention[i, prompt_width:].sum())
-            mask = response_mask[i, :length]
-            trained = mask.bool() if trained_mask is None else mask.bool() & trained_mask[i, :length].bool()
-            responses.append(SampledResponse(
-                batch_index=i, uid=str(uids[i]), row=context.rows[i] if context is not None else None,
-                prompt_ids=data.batch["prompts"][i][attention[i, :prompt_width]].tolist(),
-                response_ids=data.batch["responses"][i, :length].tolist(),
-                log_probs=data.batch["old_log_probs"][i, :length], response_mask=mask,
-                advantages=data.batch["advantages"][i, :length], trained=trained,
-                score=float(data.batch["token_level_scores"][i].sum()),
-            ))
-        return responses
 
-    log_step(
-        trainer.global_steps, trainer.config, trainer.tokenizer, uids, lengths, fetch,
-        rows=context.rows if context is not None else None,
-        tree_nodes=context.tree_nodes if context is not None else None, settings=spo_settings_of(trainer),
-    )
+def after_legacy_advantages(trainer, data, context, response_mask) -> dict[str, float]:
+    """What reads the legacy batch once its advantages are final: ``algorithm.spo.sample_log`` and
+    ``algorithm.spo.credit_metrics`` (returned as metrics)."""
+    settings = spo_settings_of(trainer)
+    uids = data.non_tensor_batch["uid"]
+    if settings.sample_log.dir is not None:
+        log_step(
+            trainer.global_steps, trainer.config, trainer.tokenizer, uids, response_mask.sum(dim=-1).long().tolist(),
+            lambda chosen: legacy_responses(data, context, response_mask, chosen),
+            rows=context.rows if context is not None else None,
+            tree_nodes=context.tree_nodes if context is not None else None, settings=settings,
+        )
+    if not settings.credit_metrics:
+        return {}
+    real = [i for i, uid in enumerate(uids) if not is_padding_uid(uid)]
+    return step_credit_metrics(legacy_responses(data, context, response_mask, real), trainer.tokenizer,
+                               settings.prob_mask.threshold)
 
 
 class SPORayPPOTrainer(RayPPOTrainer):
@@ -123,11 +136,9 @@ class SPORayPPOTrainer(RayPPOTrainer):
             self.use_prefix_grouper = grouping
 
     def _update_actor(self, batch):
-        logger = None
         settings = spo_settings_of(self)
-        if settings.sample_log.dir is not None:
-            logger = lambda data, context, mask: log_legacy_samples(self, data, context, mask)  # noqa: E731
-        spo_metrics = spo_advantage_step(batch, self.config.algorithm, self.config.actor_rollout_ref.rollout.n, logger,
+        read = lambda data, context, mask: after_legacy_advantages(self, data, context, mask)  # noqa: E731
+        spo_metrics = spo_advantage_step(batch, self.config.algorithm, self.config.actor_rollout_ref.rollout.n, read,
                                          settings)
         step_tokens = spo_metrics.pop("spo/generated_tokens")
         output = super()._update_actor(batch)

@@ -1,12 +1,14 @@
 """SPO on verl 0.9.1's default trainer (``trainer.use_v1=true``, data in TransferQueue).
 
-``SPOTrainer`` is verl's synchronous trainer with three small overrides:
+``SPOTrainer`` is verl's synchronous trainer with these overrides:
 * ``_compute_advantage`` reads each trajectory's ``extra_fields["spo"]`` from TransferQueue and runs
   verl's own advantage step with those rows visible to the SPO estimators; then it restricts the loss
   to the segments the estimator chose to train (``response_mask``/``loss_mask`` in TransferQueue, as
   verl's rollout correction does) and logs ``spo/*`` metrics; with ``algorithm.spo.sample_log.dir``
   set it also appends a few of the step's responses (segments, probabilities, advantages; one whole
-  tree for spo_tree) to ``samples.jsonl`` there, for every algorithm (``spo_verl.trainer.sample_log``);
+  tree for spo_tree) to ``samples.jsonl`` there, for every algorithm (``spo_verl.trainer.sample_log``),
+  and with ``algorithm.spo.credit_metrics`` it logs where the step's advantages put the blame
+  (``spo/credit/*``, ``spo_verl.trainer.credit_step``);
 * ``init`` installs SPO's actor loss (verl's ``ppo_loss`` plus the reference's masked KL);
 * its replay buffer looks for finished rollouts every ``ROLLOUT_POLL_S`` instead of every 2 s;
 * with ``algorithm.spo.packed_training``, ``_balance_batch`` keeps each prompt's rows together
@@ -42,6 +44,7 @@ from spo_verl.trainer.common import (
     spo_settings_of,
     uses_spo_metadata,
 )
+from spo_verl.trainer.credit_step import step_credit_metrics
 from spo_verl.trainer.packed_worker import enable_packed_training_on, packed_training_settings, use_packed_worker
 from spo_verl.trainer.sample_log import SampledResponse, log_step
 from spo_verl.trainer.token_budget import GeneratedTokenBudget, step_generated_tokens
@@ -101,6 +104,7 @@ class SPOTrainer(PPOTrainerSync):
                                      select_fields=["uid", "response_mask"])
             self._count_generated_tokens(batch, stored["response_mask"], metrics)
             self._log_samples(batch, stored, None)
+            self._credit_metrics(batch, stored, None, metrics)
             return batch
         stored = tq.kv_batch_get(
             keys=batch.keys, partition_id=batch.partition_id, select_fields=["extra_fields", "response_mask", "uid"]
@@ -123,6 +127,7 @@ class SPOTrainer(PPOTrainerSync):
             )
         self._count_generated_tokens(batch, response_mask, metrics)
         self._log_samples(batch, stored, context)
+        self._credit_metrics(batch, stored, context, metrics)
         return batch
 
     def _count_generated_tokens(self, batch, response_mask, metrics: dict) -> None:
@@ -133,37 +138,49 @@ class SPOTrainer(PPOTrainerSync):
         response_tokens = sum(float(mask.sum()) for mask, real in zip(response_mask.unbind(), real_rows) if real)
         self._token_budget.record(self, step_generated_tokens(response_tokens, metrics), metrics)
 
-    def _log_samples(self, batch, stored, context) -> None:
-        """``algorithm.spo.sample_log``: fetch only the chosen rows from TransferQueue and append them.
+    def _responses(self, batch, stored, context, chosen: list[int]) -> list[SampledResponse]:
+        """Rows ``chosen`` of the step's batch from TransferQueue, as plain per-token sequences.
         ``stored`` holds the batch's uids and its response_mask before SPO narrowed it."""
-        if spo_settings_of(self).sample_log.dir is None:
-            return
+        data = tq.kv_batch_get(
+            keys=[batch.keys[i] for i in chosen], partition_id=batch.partition_id,
+            select_fields=["prompts", "responses", "advantages", "old_log_probs", "rm_scores"],
+        )
+        fields = {name: list(data[name].unbind()) for name in data.keys()}
         masks = list(stored["response_mask"].unbind())
-        trained_mask = context.trained_mask if context is not None else None
-
-        def fetch(chosen):
-            data = tq.kv_batch_get(
-                keys=[batch.keys[i] for i in chosen], partition_id=batch.partition_id,
-                select_fields=["prompts", "responses", "advantages", "old_log_probs", "rm_scores"],
-            )
-            fields = {name: list(data[name].unbind()) for name in data.keys()}
-            responses = []
-            for j, i in enumerate(chosen):
-                mask = masks[i]
-                length = mask.numel()
-                trained = mask.bool() if trained_mask is None else mask.bool() & trained_mask[i, :length].bool()
-                responses.append(SampledResponse(
-                    batch_index=i, uid=str(uids[i]), row=context.rows[i] if context is not None else None,
-                    prompt_ids=fields["prompts"][j].tolist(), response_ids=fields["responses"][j].tolist(),
-                    log_probs=fields["old_log_probs"][j], response_mask=mask, advantages=fields["advantages"][j],
-                    trained=trained, score=float(fields["rm_scores"][j].sum()),
-                ))
-            return responses
-
         uids = stored["uid"]  # a list of strings from TransferQueue (NonTensorStack once padded)
         uids = [str(uid) for uid in (uids.tolist() if hasattr(uids, "tolist") else uids)]
+        trained_mask = context.trained_mask if context is not None else None
+        responses = []
+        for j, i in enumerate(chosen):
+            mask = masks[i]
+            length = mask.numel()
+            trained = mask.bool() if trained_mask is None else mask.bool() & trained_mask[i, :length].bool()
+            responses.append(SampledResponse(
+                batch_index=i, uid=uids[i], row=context.rows[i] if context is not None else None,
+                prompt_ids=fields["prompts"][j].tolist(), response_ids=fields["responses"][j].tolist(),
+                log_probs=fields["old_log_probs"][j], response_mask=mask, advantages=fields["advantages"][j],
+                trained=trained, score=float(fields["rm_scores"][j].sum()),
+            ))
+        return responses
+
+    def _credit_metrics(self, batch, stored, context, metrics: dict) -> None:
+        """``algorithm.spo.credit_metrics``: ``spo/credit/*`` over every real row of the step."""
+        settings = spo_settings_of(self)
+        if not settings.credit_metrics:
+            return
+        real = [i for i, tag in enumerate(batch.tags) if not tag.get("is_padding", False)]
+        metrics.update(step_credit_metrics(self._responses(batch, stored, context, real), self.tokenizer,
+                                           settings.prob_mask.threshold))
+
+    def _log_samples(self, batch, stored, context) -> None:
+        """``algorithm.spo.sample_log``: fetch only the chosen rows from TransferQueue and append them."""
+        if spo_settings_of(self).sample_log.dir is None:
+            return
+        uids = stored["uid"]
+        uids = [str(uid) for uid in (uids.tolist() if hasattr(uids, "tolist") else uids)]
         log_step(
-            self.global_steps, self.config, self.tokenizer, uids, [int(m.sum()) for m in masks], fetch,
+            self.global_steps, self.config, self.tokenizer, uids, [int(m.sum()) for m in stored["response_mask"].unbind()],
+            lambda chosen: self._responses(batch, stored, context, chosen),
             rows=context.rows if context is not None else None,
             tree_nodes=context.tree_nodes if context is not None else None,
             padding=[bool(tag.get("is_padding", False)) for tag in batch.tags], settings=spo_settings_of(self),
