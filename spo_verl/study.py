@@ -2,8 +2,9 @@
 every (algorithm, seed) its own verl run to the same budget of generated tokens, then one report.
 
     bash scripts/compare.sh [--setting cpu-smollm2] [--algorithms spo_tree,grpo] [--seeds 0,1,2]
-                            [--token-budget 8000] [--lr 1e-5] [--prompts-per-step 8] [--val-every 5]
-                            [--max-steps 30] [--task add_sub] [--output-dir outputs/study] [--quick] [-- HYDRA_OVERRIDES...]
+                            [--token-budget 8000] [--lr 1e-5 | --lr spo_tree=1e-5,grpo=5e-6] [--prompts-per-step 8]
+                            [--val-every 5] [--max-steps 30] [--task add_sub] [--validate-on test|tune]
+                            [--sampled-validation 4] [--output-dir outputs/study] [--quick] [-- HYDRA_OVERRIDES...]
 
 Each run is the project's run script (``scripts/spo_launch.sh``) with the study's setting, in its own
 folder ``<output-dir>/<algorithm>/seed<k>/``. Running the command again skips finished runs (their
@@ -16,6 +17,12 @@ On ``cpu-smollm2`` the held-out set is 256 problems (``VAL_FILES`` overrides it)
 the study trains with the settings its learning-rate sweep chose (``STUDY_SETTING_DEFAULTS``, docs/RESULTS.md):
 8 prompts a step in 2 optimizer steps of 4. ``--prompts-per-step N`` sets ``data.train_batch_size=N``
 and ``ppo_mini_batch_size=N/2`` (two optimizer steps a step) on any setting.
+
+``--validate-on tune`` validates on problems of their own (none of them a training or held-out
+problem), for choosing settings such as the learning rate without looking at the test set.
+``--sampled-validation N`` adds, once a run has trained, a validation of its final policy with N
+samples a problem at the training temperature (verl's validation, ``trainer.val_only``, from the
+last checkpoint), beside the greedy ones.
 
 Seeds: seed ``k`` sets verl's ``data.seed`` (the order the training prompts are drawn in: the same
 for every algorithm under one seed) and ``actor_rollout_ref.rollout.seed`` (vLLM's engine seed).
@@ -44,9 +51,10 @@ from spo_verl.metrics_log import read_logged_steps
 REPO = Path(__file__).resolve().parents[1]
 ALGORITHMS = ("spo_tree", "spo_chain", "grpo", "grpo_prob_mask", "spo_tree_cutpoint")
 SETTINGS = ("cpu-smollm2", "cpu-tiny", "gsm8k-rhomath-1.1b", "math-r1-1.5b")
-VALIDATION_KEY_PREFIX, VALIDATION_KEY_SUFFIX = "val-core/", "/acc/mean@1"
+VALIDATION_KEY_PREFIX = "val-core/"
 GENERATED = "spo/generated_tokens"
-DONE_FILE, ATTEMPTS_FILE = "done.json", "attempts.json"
+DONE_FILE, ATTEMPTS_FILE, TRAINED_FILE = "done.json", "attempts.json", "trained.json"
+SAMPLED_METRICS_FILE = "metrics-sampled-validation.jsonl"
 
 
 @dataclass(frozen=True)
@@ -62,12 +70,19 @@ class Study:
     prompts_per_step: int | None = None
     overrides: tuple[str, ...] = ()
     task: str | None = None  # cpu-smollm2's generated task (None: the setting's default)
+    lr_by_algorithm: tuple[tuple[str, float], ...] = ()  # each algorithm's own rate (over ``lr``)
+    validate_on: str = "test"  # cpu-smollm2: the held-out problems ("test") or the problems it tunes on ("tune")
+    sampled_validation: int = 0  # after training, this many samples a problem at the training temperature (0: none)
 
-    def training_overrides(self) -> list[str]:
+    def learning_rate(self, algorithm: str) -> float | None:
+        return dict(self.lr_by_algorithm).get(algorithm, self.lr)
+
+    def training_overrides(self, algorithm: str | None = None) -> list[str]:
         """The study's training settings as Hydra overrides (the user's own come after them and win)."""
         values = []
-        if self.lr is not None:
-            values.append(f"actor_rollout_ref.actor.optim.lr={self.lr}")
+        lr = self.learning_rate(algorithm) if algorithm is not None else self.lr
+        if lr is not None:
+            values.append(f"actor_rollout_ref.actor.optim.lr={lr}")
         if self.prompts_per_step is not None:
             values += [f"data.train_batch_size={self.prompts_per_step}",
                        f"actor_rollout_ref.actor.ppo_mini_batch_size={self.prompts_per_step // 2}"]
@@ -83,9 +98,11 @@ DEFAULTS = dict(setting="cpu-smollm2", algorithms=ALGORITHMS, seeds=(0, 1, 2), t
 STUDY_SETTING_DEFAULTS = {"cpu-smollm2": dict(lr=1e-5, prompts_per_step=8)}
 
 
-def validation_accuracy(data: dict) -> float | None:
+def validation_accuracy(data: dict, samples: int = 1) -> float | None:
+    """verl's validation accuracy in a logged step: the mean score over ``samples`` answers a problem."""
+    suffix = f"/acc/mean@{samples}"
     for key, value in sorted(data.items()):
-        if key.startswith(VALIDATION_KEY_PREFIX) and key.endswith(VALIDATION_KEY_SUFFIX):
+        if key.startswith(VALIDATION_KEY_PREFIX) and key.endswith(suffix):
             return value
     return None
 
@@ -231,19 +248,32 @@ def _in_group(process: psutil.Process, pgid: int) -> bool:
 
 
 def run_one(study: Study, algorithm: str, seed: int) -> bool:
-    """Train (or resume) one (algorithm, seed) run to the study's budget; True when it is done."""
+    """Train (or resume) one (algorithm, seed) run to the study's budget, then (``sampled_validation``)
+    validate its final policy by sampling; True when it is done."""
     name = f"{algorithm}/seed{seed}"
     folder = RunFolder.open(study.output_dir / algorithm / f"seed{seed}")
     if folder.done:
         print(f"compare: {name}: finished earlier, skipped ({folder.path / DONE_FILE})", flush=True)
         return True
-    _wait_for_earlier_attempt(folder, name)
-    resumed_from = folder.resumable_step()
-    if resumed_from == 0:
-        shutil.rmtree(folder.checkpoints, ignore_errors=True)  # nothing usable: start from the base model
-    spent = folder.spent_until(resumed_from)
-    remaining = max(1, int(study.token_budget - spent))
-    metrics = folder.new_attempt(resumed_from)
+    trained = folder.path / TRAINED_FILE
+    if not trained.exists() and not _train(study, folder, algorithm, seed):
+        return False
+    summary = json.loads(trained.read_text())
+    if study.sampled_validation:
+        accuracy = _sampled_validation(study, folder, algorithm, seed, summary["steps"])
+        if accuracy is None:
+            return False
+        summary["final_sampled_accuracy"] = accuracy
+    (folder.path / DONE_FILE).write_text(json.dumps(summary, indent=1))
+    shutil.rmtree(folder.checkpoints, ignore_errors=True)  # a finished run needs no checkpoint (GBs each)
+    print(f"compare: {name}: done: {summary['steps']} steps, {summary['generated_tokens']:,.0f} generated tokens, "
+          f"final held-out accuracy {summary['final_held_out_accuracy']}"
+          + (f", sampled {summary['final_sampled_accuracy']:.3f}" if "final_sampled_accuracy" in summary else ""),
+          flush=True)
+    return True
+
+
+def _launch_env(study: Study, folder: "RunFolder", algorithm: str, seed: int, metrics: Path) -> dict[str, str]:
     env = dict(
         os.environ, SETTING=study.setting, ALGORITHM=algorithm, CLUSTER_SETTING="math-r1-1.5b",
         EXPERIMENT_NAME=f"study-{algorithm}-seed{seed}", PROJECT_NAME="spo-study", VERL_FILE_LOGGER_PATH=str(metrics),
@@ -255,7 +285,34 @@ def run_one(study: Study, algorithm: str, seed: int) -> bool:
 
         task = study.task or cpu_smollm2.DEFAULT_TASK
         env["SMOLLM2_TASK"] = task
-        env.setdefault("VAL_FILES", cpu_smollm2.study_val_files(cpu_smollm2.default_cache(), task))
+        env.setdefault("VAL_FILES", cpu_smollm2.study_val_files(cpu_smollm2.default_cache(), task, study.validate_on))
+    return env
+
+
+def _run_logged(command: list[str], env: dict, console: Path, record_process, metrics: Path, name: str,
+                spent: float, budget: int) -> int:
+    with open(console, "w") as out:
+        # Its own session, so that stopping the study stops the run's Ray and vLLM processes with it.
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        record_process(process.pid)
+        try:
+            _follow(process, metrics, name, spent, budget)
+        except BaseException:
+            _stop_run(process)
+            raise
+    return process.returncode
+
+
+def _train(study: Study, folder: "RunFolder", algorithm: str, seed: int) -> bool:
+    name = f"{algorithm}/seed{seed}"
+    _wait_for_earlier_attempt(folder, name)
+    resumed_from = folder.resumable_step()
+    if resumed_from == 0:
+        shutil.rmtree(folder.checkpoints, ignore_errors=True)  # nothing usable: start from the base model
+    spent = folder.spent_until(resumed_from)
+    remaining = max(1, int(study.token_budget - spent))
+    metrics = folder.new_attempt(resumed_from)
     command = [
         "bash", str(REPO / "scripts" / "spo_launch.sh"),
         f"algorithm.spo.generated_token_budget={remaining}",
@@ -268,25 +325,17 @@ def run_one(study: Study, algorithm: str, seed: int) -> bool:
         *(["trainer.resume_mode=resume_path", f"trainer.resume_from_path={folder.checkpoints / f'global_step_{resumed_from}'}"]
           if resumed_from else ["trainer.resume_mode=disable"]),
         "trainer.max_actor_ckpt_to_keep=2",
-        *study.training_overrides(),
+        *study.training_overrides(algorithm),
     ]
     how = f"resuming from step {resumed_from} ({spent:,.0f} tokens spent)" if resumed_from else "training"
     console = folder.path / f"console-attempt{len(folder.attempts)}.log"
     print(f"compare: {name}: {how} (console: {console})", flush=True)
     started = time.monotonic()
-    with open(console, "w") as out:
-        # Its own session, so that stopping the study stops the run's Ray and vLLM processes with it.
-        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
-        folder.record_process(process.pid)
-        try:
-            _follow(process, metrics, name, spent, study.token_budget)
-        except BaseException:
-            _stop_run(process)
-            raise
+    returncode = _run_logged(command, _launch_env(study, folder, algorithm, seed, metrics), console,
+                             folder.record_process, metrics, name, spent, study.token_budget)
     steps = folder.merged_steps()
-    if process.returncode != 0:
-        print(f"compare: {name}: exit code {process.returncode}; see {console}; rerun the command to resume", flush=True)
+    if returncode != 0:
+        print(f"compare: {name}: exit code {returncode}; see {console}; rerun the command to resume", flush=True)
         return False
     folder.write_merged()
     trained = [s for s in steps if s > 0]
@@ -294,12 +343,44 @@ def run_one(study: Study, algorithm: str, seed: int) -> bool:
                "generated_tokens": folder.spent_until(max(trained, default=0)),
                "final_held_out_accuracy": next((validation_accuracy(d) for s, d in reversed(steps.items())
                                                 if validation_accuracy(d) is not None), None),
+               "learning_rate": study.learning_rate(algorithm),
                "attempts": len(folder.attempts), "last_attempt_s": round(time.monotonic() - started)}
-    (folder.path / DONE_FILE).write_text(json.dumps(summary, indent=1))
-    shutil.rmtree(folder.checkpoints, ignore_errors=True)  # a finished run needs no checkpoint (GBs each)
-    print(f"compare: {name}: done: {summary['steps']} steps, {summary['generated_tokens']:,.0f} generated tokens, "
-          f"final held-out accuracy {summary['final_held_out_accuracy']}", flush=True)
+    (folder.path / TRAINED_FILE).write_text(json.dumps(summary, indent=1))
     return True
+
+
+def _sampled_validation(study: Study, folder: "RunFolder", algorithm: str, seed: int, step: int) -> float | None:
+    """The final policy (the run's last checkpoint) validated by sampling ``study.sampled_validation``
+    answers a problem at the training temperature: verl's own validation (``trainer.val_only``), its
+    answers in ``validation_sampled/<step>.jsonl``; returns the mean accuracy over every sample."""
+    name = f"{algorithm}/seed{seed}"
+    metrics = folder.path / SAMPLED_METRICS_FILE
+    metrics.unlink(missing_ok=True)
+    samples = study.sampled_validation
+    command = [
+        "bash", str(REPO / "scripts" / "spo_launch.sh"),
+        f"trainer.validation_data_dir={folder.path / 'validation_sampled'}",
+        "trainer.val_only=true", "trainer.val_before_train=true",
+        "trainer.resume_mode=resume_path", f"trainer.resume_from_path={folder.checkpoints / f'global_step_{step}'}",
+        f"actor_rollout_ref.rollout.val_kwargs.n={samples}", "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+        "actor_rollout_ref.rollout.val_kwargs.temperature=${actor_rollout_ref.rollout.temperature}",
+        "actor_rollout_ref.rollout.val_kwargs.top_p=${actor_rollout_ref.rollout.top_p}",
+        "actor_rollout_ref.rollout.val_kwargs.top_k=${actor_rollout_ref.rollout.top_k}",
+        f"data.seed={seed}", f"actor_rollout_ref.rollout.seed={seed}",
+        *study.training_overrides(algorithm),
+    ]
+    console = folder.path / "console-sampled-validation.log"
+    print(f"compare: {name}: validating the final policy, {samples} samples a problem (console: {console})", flush=True)
+    # Not an attempt of the training run: its log is kept apart from the merged training steps.
+    returncode = _run_logged(command, _launch_env(study, folder, algorithm, seed, metrics), console, lambda pid: None,
+                             metrics, name, 0.0, study.token_budget)
+    logged = [validation_accuracy(data, samples) for _, data in read_logged_steps(metrics)]
+    accuracy = next((a for a in logged if a is not None), None)
+    if returncode != 0 or accuracy is None:
+        print(f"compare: {name}: the sampled validation failed (exit code {returncode}); see {console}; rerun the "
+              f"command to try again", flush=True)
+        return None
+    return accuracy
 
 
 def write_error_table(study: Study, path: Path) -> Path | None:
@@ -352,6 +433,16 @@ def report(study: Study) -> int:
     return status
 
 
+def _learning_rates(text: str) -> tuple[tuple[str | None, float], ...]:
+    """``1e-5`` (every algorithm) or ``spo_tree=1e-5,grpo=5e-6``."""
+    try:
+        if "=" not in text:
+            return ((None, float(text)),)
+        return tuple((name.strip(), float(rate)) for name, rate in (item.split("=", 1) for item in text.split(",") if item))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"expected a rate or algorithm=rate pairs: {error}") from None
+
+
 def _csv(kind, text: str) -> tuple:
     try:
         return tuple(kind(item) for item in text.split(",") if item)
@@ -370,14 +461,22 @@ def parse_args(argv=None) -> Study:
                         help=f"comma-separated subset of {','.join(ALGORITHMS)} (default: all)")
     parser.add_argument("--seeds", type=lambda t: _csv(int, t), help="comma-separated seeds (default 0,1,2)")
     parser.add_argument("--token-budget", type=int, help=f"generated tokens per run (default {DEFAULTS['token_budget']:,})")
-    parser.add_argument("--lr", type=float, help="actor learning rate (default: the study's for the setting, "
-                                                 "cpu-smollm2 1e-5; else the setting's)")
+    parser.add_argument("--lr", type=_learning_rates,
+                        help="actor learning rate, one for all (1e-5) or per algorithm (spo_tree=1e-5,grpo=5e-6; the "
+                             "others take the default); default: the study's for the setting, cpu-smollm2 1e-5; else "
+                             "the setting's")
     parser.add_argument("--prompts-per-step", type=int, help="prompts a step, in two optimizer steps (default: the "
                                                              "study's for the setting, cpu-smollm2 8; else the setting's)")
     parser.add_argument("--val-every", type=int, help=f"validate and checkpoint every N steps (default {DEFAULTS['val_every']})")
     parser.add_argument("--max-steps", type=int, help=f"step bound per run (default {DEFAULTS['max_steps']})")
     parser.add_argument("--task", help="cpu-smollm2's generated task (default add_sub; the tasks of "
                                        "spo_verl/cpu_settings/smollm2.py, docs/RESULTS.md)")
+    parser.add_argument("--validate-on", choices=("test", "tune"), default="test",
+                        help="cpu-smollm2: validate on the held-out problems (test, default) or on the problems "
+                             "kept for tuning (tune: choosing settings never looks at the test set)")
+    parser.add_argument("--sampled-validation", type=int, default=0, metavar="N",
+                        help="after training, validate the final policy with N samples a problem at the training "
+                             "temperature (verl's validation; 0, the default: none)")
     parser.add_argument("--output-dir", type=Path, help="default: outputs/study-<setting>")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     args = parser.parse_args(argv)
@@ -393,8 +492,18 @@ def parse_args(argv=None) -> Study:
     for key in ("token_budget", "val_every", "max_steps"):
         if values[key] < 1:
             parser.error(f"--{key.replace('_', '-')} must be a positive integer, got {values[key]}")
-    if args.lr is not None and not args.lr > 0:
+    rates = dict(args.lr or {})
+    unknown_rates = sorted(set(rates) - {None, *values["algorithms"]})
+    if unknown_rates:
+        parser.error(f"--lr names algorithms the study does not run: {','.join(unknown_rates)} (it runs "
+                     f"{','.join(values['algorithms'])})")
+    if any(not rate > 0 for rate in rates.values()):
         parser.error(f"--lr must be positive, got {args.lr}")
+    if args.sampled_validation < 0:
+        parser.error(f"--sampled-validation must be 0 (none) or a number of samples, got {args.sampled_validation}")
+    if args.validate_on != "test" and values["setting"] != "cpu-smollm2":
+        parser.error(f"--validate-on {args.validate_on} needs the cpu-smollm2 setting (its tuning problems), not "
+                     f"{values['setting']}")
     if args.prompts_per_step is not None and (args.prompts_per_step < 2 or args.prompts_per_step % 2):
         parser.error(f"--prompts-per-step must be an even number of at least 2 (two optimizer steps), got "
                      f"{args.prompts_per_step}")
@@ -406,11 +515,12 @@ def parse_args(argv=None) -> Study:
         if args.task not in TASKS:
             parser.error(f"--task must be one of {','.join(TASKS)}, got {args.task!r}")
     setting_defaults = STUDY_SETTING_DEFAULTS.get(values["setting"], {})
-    lr = args.lr if args.lr is not None else setting_defaults.get("lr")
+    lr = rates.pop(None, setting_defaults.get("lr"))
     prompts = args.prompts_per_step if args.prompts_per_step is not None else setting_defaults.get("prompts_per_step")
     output_dir = (args.output_dir or REPO / "outputs" / f"study-{values['setting']}").resolve()
     return Study(values["setting"], tuple(values["algorithms"]), tuple(values["seeds"]), values["token_budget"],
-                 values["max_steps"], values["val_every"], output_dir, lr, prompts, tuple(args.overrides), args.task)
+                 values["max_steps"], values["val_every"], output_dir, lr, prompts, tuple(args.overrides), args.task,
+                 tuple(sorted(rates.items())), args.validate_on, args.sampled_validation)
 
 
 def _stop_on_sigterm(signum, frame):
@@ -423,8 +533,10 @@ def main(argv=None) -> int:
     runs = [(algorithm, seed) for seed in study.seeds for algorithm in study.algorithms]
     print(f"compare: {len(runs)} run(s) on SETTING={study.setting} ({', '.join(study.algorithms)}; seeds "
           f"{', '.join(map(str, study.seeds))}), each to {study.token_budget:,} generated tokens (at most "
-          f"{study.max_steps} steps), validating every {study.val_every}; training overrides: "
-          f"{' '.join(study.training_overrides()) or 'none'}; output {study.output_dir}", flush=True)
+          f"{study.max_steps} steps), validating every {study.val_every} on the {study.validate_on} problems; "
+          f"training overrides: {' '.join(study.training_overrides()) or 'none'}"
+          + "".join(f"; {a}: lr {study.learning_rate(a)}" for a, _ in study.lr_by_algorithm)
+          + f"; output {study.output_dir}", flush=True)
     started = time.monotonic()
     failed = [f"{a}/seed{s}" for a, s in runs if not run_one(study, a, s)]
     status = report(study)

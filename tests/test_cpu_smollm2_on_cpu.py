@@ -95,6 +95,12 @@ def test_another_task_has_its_own_data_and_examples_next_to_the_one_model(built)
     held_out = pd.read_parquet(cpu_smollm2.study_val_files(built["folder"], "add_add"))
     assert len(held_out) == 256 and not ({i["question"] for i in held_out["extra_info"]}
                                          & {i["question"] for i in train["extra_info"]})
+    # The problems a study tunes on: their own, neither trained on nor held out.
+    tune = pd.read_parquet(cpu_smollm2.study_val_files(built["folder"], "add_add", "tune"))
+    tune_questions = {i["question"] for i in tune["extra_info"]}
+    assert len(tune) == len(tune_questions) == cpu_smollm2.TUNE_PROBLEMS == 128
+    assert not tune_questions & ({i["question"] for i in held_out["extra_info"]} | {i["question"] for i in train["extra_info"]})
+    assert set(tune["extra_info"].map(lambda i: i["split"])) == {"tune"}
     # The default task's data is untouched.
     assert pd.read_parquet(built["train_files"]).iloc[0]["extra_info"]["question"].count(" - ") == 1
     with pytest.raises(ValueError, match="SMOLLM2_TASK='add_mul' is not a task of the cpu-smollm2 setting; allowed: add_sub, "):

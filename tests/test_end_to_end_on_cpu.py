@@ -5,7 +5,8 @@ vLLM's CPU backend, verl's GSM8K reward, the SPO advantage step and loss, and ve
 weight sync, on the tiny ``cpu-tiny`` setting (spo_verl/cpu_settings/tiny.py). The README's command, with
 no settings, trains the CPU default (``cpu-smollm2``: SmolLM2-135M, whose tied head must sync into
 vLLM), and the study command ``scripts/compare.sh --quick`` (SPO-tree, then the tree that forks at
-cutpoints) is stopped after its first checkpoint, resumed and run once more, report included. The credit
+cutpoints) is stopped after its first checkpoint, resumed (SPO-tree alone, then validated by sampling)
+and run once more (the cutpoint tree), report included. The credit
 command's quick form (``python -m spo_verl.credit --quick``) runs beside them.
 
 A run costs about two minutes of two cores, almost all of it verl, Ray and vLLM starting (the table
@@ -229,8 +230,9 @@ STUDY_ALGORITHMS = ("spo_tree", "spo_tree_cutpoint")  # what --quick trains, in 
 
 @dataclass
 class Study:
-    """``scripts/compare.sh --quick`` stopped after its first checkpoint, run again (it resumes and
-    finishes, then trains the cutpoint tree), and run a third time (it skips the finished runs)."""
+    """``scripts/compare.sh --quick`` stopped after its first checkpoint, run again for SPO-tree alone with a
+    sampled validation (it resumes, finishes, and validates the final policy by sampling), and run a
+    third time (it skips the finished run and trains the cutpoint tree)."""
 
     killed: Run
     resumed: Run
@@ -247,15 +249,18 @@ def _run_study(work: Path, cache: Path) -> Study:
     # The study's runs are the v1 trainer's SPO-tree cases too: the per-row check of each process's first update.
     command = ["bash", "scripts/compare.sh", "--quick", "--max-steps", "3", "--val-every", "1", "--output-dir", str(work),
                "--", *CHECK]
+    # The second time only SPO-tree, finished and then validated by sampling; the third time both (the
+    # finished one skipped, the cutpoint tree trained).
+    resume_tree = [*command[:3], "--algorithms", "spo_tree", "--sampled-validation", "2", *command[3:]]
     tree, cutpoint = (work / algorithm / "seed0" for algorithm in STUDY_ALGORITHMS)
     marker = tree / "checkpoints" / "latest_checkpointed_iteration.txt"
-    trained = ([tree / "metrics-attempt1.jsonl"], [tree / "metrics-attempt2.jsonl", cutpoint / "metrics-attempt1.jsonl"], [])
+    trained = ([tree / "metrics-attempt1.jsonl"], [tree / "metrics-attempt2.jsonl"], [cutpoint / "metrics-attempt1.jsonl"])
     runs = []
-    for attempt in range(3):
+    for attempt, attempt_command in enumerate((command, resume_tree, command)):
         log = work.parent / f"study-{attempt}.log"
         started = time.perf_counter()
         with open(log, "w") as out:
-            process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+            process = subprocess.Popen(attempt_command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
             deadline = time.monotonic() + RUN_TIMEOUT_S
             while process.poll() is None and time.monotonic() < deadline:
                 logged = [step for step, _ in read_logged_steps(tree / "metrics-attempt1.jsonl")] if attempt == 0 else []
@@ -543,20 +548,27 @@ def test_study_resumes_a_killed_run_and_skips_a_finished_one(runs):
     done = json.loads((folder / "done.json").read_text())
     assert done["steps"] == max(steps) and done["attempts"] == 2
     assert not (folder / "checkpoints").exists(), "a finished run keeps no checkpoint"
+    # Then its final policy validated by sampling (2 answers a problem, verl's validation from the last
+    # checkpoint), apart from the training steps: every held-out problem twice, the accuracy their mean.
+    sampled = read_logged_steps(folder / "metrics-sampled-validation.jsonl")
+    assert [step for step, _ in sampled] == [max(steps)] and "compare: spo_tree/seed0: validating the final policy" in resumed_log
+    answers = [json.loads(line) for line in (folder / "validation_sampled" / f"{max(steps)}.jsonl").read_text().splitlines()]
+    greedy = (folder / "validation" / f"{max(steps)}.jsonl").read_text().splitlines()
+    assert len(answers) == 2 * len(greedy) and {a["input"] for a in answers} == {json.loads(g)["input"] for g in greedy}
+    assert done["final_sampled_accuracy"] == pytest.approx(sum(a["score"] for a in answers) / len(answers))
+    assert done["final_sampled_accuracy"] == pytest.approx(sampled[0][1]["val-core/openai/gsm8k/acc/mean@2"])
     # One progress line per step of the resumed attempt, and a line for the finished run.
     progress = {int(m.group(1)) for line in resumed_log.splitlines()
                 if (m := re.match(r"compare: spo_tree/seed0 +step +(\d+)", line))}
     assert progress == set(second)
     assert "compare: spo_tree/seed0: done:" in resumed_log
-    # The quick study's second algorithm, the tree that forks at cutpoints, after the first.
-    assert "compare: spo_tree_cutpoint/seed0: done:" in resumed_log
-    cutpoint = json.loads((study.folder("spo_tree_cutpoint") / "done.json").read_text())
-    assert cutpoint["steps"] >= 1 and cutpoint["generated_tokens"] > 0
-    # A third time: nothing left to train.
+    # A third time, both algorithms: the finished run skipped, the tree that forks at cutpoints trained.
     assert study.again.returncode == 0, study.again.failure()
     again_log = study.again.log.read_text()
     assert "compare: spo_tree/seed0: finished earlier, skipped" in again_log
-    assert "compare: spo_tree_cutpoint/seed0: finished earlier, skipped" in again_log
+    assert "compare: spo_tree_cutpoint/seed0: done:" in again_log
+    cutpoint = json.loads((study.folder("spo_tree_cutpoint") / "done.json").read_text())
+    assert cutpoint["steps"] >= 1 and cutpoint["generated_tokens"] > 0 and "final_sampled_accuracy" not in cutpoint
     report = study.output / "report"
     for name in ("accuracy_vs_step.png", "accuracy_vs_generated_tokens.png", "accuracy_vs_wall_time.png",
                  "reward_vs_step.png", "reward_vs_generated_tokens.png", "reward_vs_wall_time.png", "results.csv",

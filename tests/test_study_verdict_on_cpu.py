@@ -1,0 +1,77 @@
+"""The study's declared comparisons: accuracy at exactly the token budget, paired seeds, the interval,
+the verdict and the minimum detectable difference, with exact numbers."""
+
+import json
+import math
+
+import pytest
+
+from spo_verl.study_verdict import at_budget, main, paired, t_quantile, validations
+
+
+def test_accuracy_at_the_budget_is_interpolated_between_the_validations_around_it():
+    points = [(0.0, 0.2), (5_000.0, 0.3), (10_400.0, 0.5)]
+    assert at_budget(points, 10_000) == pytest.approx(0.3 + 0.2 * 5_000 / 5_400)
+    assert at_budget(points, 5_000) == pytest.approx(0.3)
+    assert at_budget(points, 12_000) is None  # short of the budget: not extrapolated
+    assert at_budget([(0.0, 0.2), (800.0, 0.4)], 800) == pytest.approx(0.4)
+
+
+def test_validations_read_cumulative_tokens_and_greedy_accuracy_from_the_logged_steps():
+    key = "val-core/openai/gsm8k/acc/mean@1"
+    steps = [(0, {key: 0.25}), (1, {"spo/generated_tokens_cumulative": 900.0}),
+             (2, {key: 0.5, "spo/generated_tokens_cumulative": 1800.0}),
+             (3, {"val-core/openai/gsm8k/acc/mean@4": 0.4, "spo/generated_tokens_cumulative": 2700.0})]
+    assert validations(steps) == [(0.0, 0.25), (1800.0, 0.5)]
+
+
+def test_student_t_quantiles():
+    # Tabulated values: t(0.975, 7) = 2.365, t(0.9875, 9) = 2.685, t(0.8, 7) = 0.896, t(0.5, df) = 0.
+    assert t_quantile(0.975, 7) == pytest.approx(2.3646, abs=1e-3)
+    assert t_quantile(0.9875, 9) == pytest.approx(2.6850, abs=1e-3)
+    assert t_quantile(0.8, 7) == pytest.approx(0.8960, abs=1e-3)
+    assert t_quantile(0.5, 3) == pytest.approx(0.0, abs=1e-9)
+    with pytest.raises(ValueError, match="0 < p < 1"):
+        t_quantile(1.0, 3)
+
+
+def test_paired_seeds_give_the_mean_difference_its_interval_verdict_and_detectable_size():
+    at = {("spo", s): 0.30 + 0.01 * s for s in range(4)}
+    at.update({("grpo", s): 0.20 + 0.02 * s for s in range(4)})
+    at[("spo", 4)] = 0.9  # a seed the reference did not finish: left out
+    at[("grpo", 5)] = None
+    result = paired(at, "spo", "grpo", level=0.95)
+    differences = [0.10, 0.09, 0.08, 0.07]
+    assert result.seeds == (0, 1, 2, 3) and result.differences == pytest.approx(differences)
+    se = math.sqrt(sum((d - 0.085) ** 2 for d in differences) / 3) / 2
+    assert result.mean == pytest.approx(0.085) and result.se == pytest.approx(se)
+    t = t_quantile(0.975, 3)
+    assert (result.low, result.high) == pytest.approx((0.085 - t * se, 0.085 + t * se))
+    assert result.detectable == pytest.approx((t + t_quantile(0.8, 3)) * se)
+    assert result.verdict == "better"
+    assert paired({k: -v if v is not None else None for k, v in at.items()}, "spo", "grpo").verdict == "worse"
+    noisy = paired({("a", 0): 0.5, ("b", 0): 0.4, ("a", 1): 0.3, ("b", 1): 0.4}, "a", "b")
+    assert noisy.verdict == "not resolved" and noisy.low < 0 < noisy.high
+    assert paired({("a", 0): 0.5, ("b", 0): 0.4}, "a", "b").verdict == "not resolved (too few seeds)"
+
+
+def test_the_command_reads_finished_runs_and_writes_each_runs_value(tmp_path, capsys):
+    key = "val-core/openai/gsm8k/acc/mean@1"
+    for algorithm, gains in (("spo", (0.2, 0.3)), ("grpo", (0.1, 0.1))):
+        for seed, gain in enumerate(gains):
+            folder = tmp_path / algorithm / f"seed{seed}"
+            folder.mkdir(parents=True)
+            lines = [{"step": 0, "data": {key: 0.1}},
+                     {"step": 1, "data": {key: 0.1 + gain, "spo/generated_tokens_cumulative": 1000.0}}]
+            (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+            (folder / "done.json").write_text("{}")
+    unfinished = tmp_path / "spo" / "seed2"
+    unfinished.mkdir()
+    (unfinished / "metrics.jsonl").write_text(json.dumps({"step": 0, "data": {key: 0.1}}) + "\n")
+    assert main(["--output-dir", str(tmp_path), "--budget", "500", "--compare", "spo-grpo", "--csv",
+                 str(tmp_path / "runs.csv")]) == 0
+    result = json.loads(capsys.readouterr().out.splitlines()[-1])[0]
+    # At 500 tokens: half way from the base model (0.1) to each run's step-1 accuracy.
+    assert result["differences"] == pytest.approx([0.05, 0.1]) and result["seeds"] == [0, 1]
+    assert (tmp_path / "runs.csv").read_text().splitlines() == [
+        "algorithm,seed,accuracy_at_budget", "grpo,0,0.150000", "grpo,1,0.150000", "spo,0,0.200000", "spo,1,0.250000"]
