@@ -421,6 +421,9 @@ def report(study: Study) -> int:
                 samples = folder / "samples.jsonl"
                 args += ["--run", f"{algorithm}/seed{seed}={folder / 'metrics.jsonl'}"
                          + (f",{samples}" if samples.exists() else "")]
+    if "--run" not in args:
+        print("compare: no run has finished yet: no report", flush=True)
+        return 0
     status = subprocess.run(args, cwd=REPO).returncode
     errors = write_error_table(study, study.output_dir / "report" / "errors.csv")
     if errors is not None:

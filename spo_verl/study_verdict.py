@@ -2,8 +2,8 @@
 token budget, and differences between algorithms over paired seeds with their standard error, a
 confidence interval, the verdict and the smallest difference the study could detect.
 
-    python -m spo_verl.study_verdict --output-dir outputs/study --budget 12000 \\
-        --compare spo_tree_cutpoint-grpo_prob_mask,spo_tree_cutpoint-grpo [--level 0.975] [--csv runs.csv]
+    python -m spo_verl.study_verdict --output-dir outputs/study --budget 16000 \\
+        [--compare spo_tree_cutpoint-grpo_prob_mask,spo_tree_cutpoint-grpo] [--level 0.975] [--csv runs.csv]
 
 **At the budget.** A run stops at the step expected to reach the budget, so its last validation is a
 little past it. Its accuracy at the budget is interpolated linearly in cumulative generated tokens
@@ -154,7 +154,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m spo_verl.study_verdict", description=__doc__.split("\n\n")[0])
     parser.add_argument("--output-dir", type=Path, required=True)
     parser.add_argument("--budget", type=float, required=True, help="the study's token budget")
-    parser.add_argument("--compare", required=True, help="comma-separated algorithm-reference pairs")
+    parser.add_argument("--compare", default="", help="comma-separated algorithm-reference pairs (none: only each "
+                                                      "run's accuracy at the budget, e.g. for a tuning sweep)")
     parser.add_argument("--level", type=float, default=0.975, help="the intervals' level (default 0.975: two "
                                                                     "primary comparisons, Bonferroni)")
     parser.add_argument("--csv", type=Path, help="also write each run's accuracy at the budget here")
@@ -168,6 +169,8 @@ def main(argv=None) -> int:
             writer = csv.writer(handle)
             writer.writerow(["algorithm", "seed", "accuracy_at_budget"])
             writer.writerows([name, seed, "" if value is None else f"{value:.6f}"] for (name, seed), value in sorted(at.items()))
+    for (name, seed), value in sorted(at.items()):
+        print(f"{name}/seed{seed}: accuracy at {args.budget:,.0f} tokens: {'-' if value is None else f'{value:.4f}'}")
     results = [paired(at, algorithm, reference, args.level) for algorithm, reference in pairs]
     print(render(results))
     print(json.dumps([{**r.__dict__, "verdict": r.verdict} for r in results]))

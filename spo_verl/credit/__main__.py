@@ -249,11 +249,12 @@ def write_views(output_dir: Path, decode) -> None:
 
         values = read_values(values_file)
         images.append(("Monte Carlo values against the reference", calibration_plot(values, output_dir / "values_calibration.png").name))
-        response = along_response([row for _, row in values])
-        if response is not None:
-            tokens = next(r.tokens for views in by_key.values() for rs in views.values() for r in rs
-                          if r.response_id == response[0].response_id)
-            images.append((f"V along one wrong answer ({response[0].response_id})",
+        task = values[0][0]
+        response = along_response([row for t, row in values if t == task])
+        if response is not None:  # the values are of the task's chains: its response ids are the chains'
+            tokens = next(r.tokens for (t, _), views in by_key.items() if t == task
+                          for r in views.get("spo_chain", []) if r.response_id == response[0].response_id)
+            images.append((f"V along one wrong answer of {task} ({response[0].response_id})",
                            along_plot(response, "".join(decode(t) for t in tokens), output_dir / "values_along.png").name))
     credit_page(examples, decode, output_dir / "credit.html", images)
 

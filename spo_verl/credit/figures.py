@@ -89,7 +89,7 @@ def _token_row(name: str, response: Response, texts: Sequence[str], scale: float
         cells.append(f"<span class='{' '.join(classes)}' style='background:{advantage_colour(advantage, scale)}' "
                      f"title='token {t}: advantage {advantage:+.3f}'>{html.escape(text)}</span>")
     share = blame(list(response.advantages), response.first_error).on_error if response.first_error is not None else None
-    note = "" if share is None else f" (blame on the error {share:.2f})"
+    note = "" if share is None else f" (blame on the error {share + 0.0:.2f})"  # no "-0.00"
     return f"<div class='name'>{html.escape(name)}{note}</div><div class='response'>{''.join(cells)}</div>"
 
 
