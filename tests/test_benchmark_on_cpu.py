@@ -162,3 +162,25 @@ async def test_tree_rollout_generates_its_analytic_count_through_verls_worker(ve
     assert re.search(r"\| 1\. 2-2, 1 x 4, forced length, segments \[8\] unaligned, latency-bound: tree's extra wall time \| .*? \| (hit|\*\*MISS\*\*) \|", text)
     assert re.search(r"\| 5\. training tokens per step, `spo_tree` 2-2 .*? \| hit \|", text)
     assert math.isfinite(result.comparison.ratio)
+
+
+def test_the_step_section_says_what_the_credit_metrics_cost_against_the_same_step():
+    """The step benchmark's runs train through verl's trainer (minutes each); the section is checked on
+    their result's shape: the credit metrics' share of the packed run's step against its target."""
+    from spo_verl.benchmarks.step import PACKED, PER_ROW, PHASES
+
+    def run(configuration, step_seconds, credit_share):
+        return {"algorithm": "spo_tree", "configuration": configuration, "phases": {p: step_seconds for p in PHASES},
+                "step_all": step_seconds, "step_times": [step_seconds] * 3, "updated": [True] * 3,
+                "update_tokens": {"forwarded": None, "unique": None, "rows": None, "exact": True},
+                "generated_tokens": 100.0, "peak_memory_gib": 1.0, "wall_s": 1.0, "credit_share": credit_share}
+
+    report = Report()
+    cli.step_section(report, {"setting": "cpu-smollm2", "steps": 3,
+                              "runs": [run(PER_ROW, 30.0, 0.0004), run(PACKED, 12.0, 0.00125)]})
+    text = render(report, header("test", 1, None))
+    assert "| 8. `spo_tree` credit metrics (`spo/credit/*`) share of a training step | < 1% | 0.125% (median of steps 2-3) | hit |" in text
+    missed = Report()
+    cli.step_section(missed, {"setting": "cpu-smollm2", "steps": 3,
+                              "runs": [run(PER_ROW, 30.0, None), run(PACKED, 12.0, 0.02)]})
+    assert "| 2.000% (median of steps 2-3) | **MISS** reading the batch costs more than planned |" in render(missed, header("test", 1, None))

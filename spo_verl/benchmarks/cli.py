@@ -386,6 +386,7 @@ its time is not measured (no GPU in this session).{sweep_text}
 # ------------------------------------------------------------------------------------------------
 
 STEP_TARGET = 0.4
+CREDIT_TARGET = 0.01  # algorithm.spo.credit_metrics: under 1 % of a training step
 
 
 def _seconds(value) -> str:
@@ -427,6 +428,11 @@ def step_section(report: Report, result: dict) -> None:
         report.target(f"8. `{algorithm}` training step, every step 2-{result['steps']}", "reported",
                       f"{ratio_all:.2f}x ({after['step_all']:.1f} s vs {before['step_all']:.1f} s)", None,
                       "steps with nothing to train (all of a prompt's samples agreed) differ between the runs")
+        credit = after.get("credit_share")
+        if credit is not None:
+            report.target(f"8. `{algorithm}` credit metrics (`spo/credit/*`) share of a training step",
+                          f"< {CREDIT_TARGET:.0%}", f"{credit:.3%} (median of steps 2-{result['steps']})",
+                          credit < CREDIT_TARGET, "" if credit < CREDIT_TARGET else "reading the batch costs more than planned")
         exact = after["update_tokens"]["exact"]
         report.target(f"8. `{algorithm}` tokens forwarded per actor pass = unique tokens", "equal, every step",
                       "equal" if exact else "differ", exact,

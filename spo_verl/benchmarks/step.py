@@ -115,6 +115,10 @@ def run_one(algorithm: str, configuration: str, setting: str, steps: int, work: 
         "updated": [_updated(data) for _, data in logged],
         "update_tokens": {"forwarded": forwarded, "unique": unique, "rows": row_tokens, "exact": exact},
         "generated_tokens": _median_after_first(logged, "spo/generated_tokens"),
+        # algorithm.spo.credit_metrics (on in the CPU settings): its seconds against the same step's.
+        "credit_share": _median_after_first([(step, {"share": data["spo/credit/seconds"] / data["timing_s/step"]})
+                                             for step, data in logged if "spo/credit/seconds" in data
+                                             and data.get("timing_s/step")], "share"),
         "peak_memory_gib": memory.peak_gib, "wall_s": time.perf_counter() - started,
     }
 
