@@ -579,16 +579,21 @@ def test_study_resumes_a_killed_run_and_skips_a_finished_one(runs):
     assert "Where the credit goes: SPO-tree against GRPO" in page and "GRPO: A " in page
 
 
-def test_the_credit_command_measures_tree_and_grpo_on_the_same_leaves(runs):
+def test_the_credit_command_measures_tree_chain_and_grpo_on_the_same_responses(runs):
     run: Run = runs["credit"]
     assert run.returncode == 0, run.failure()
     output = run.log.parent / "output"
     with open(output / "responses.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))
-    # Every leaf once per estimator, GRPO's and the pooled rows over the same responses as SPO-tree's.
-    by_estimator = {e: [(r["response_id"], r["tokens"], r["reward"]) for r in rows if r["estimator"] == e]
+    # Every leaf once per estimator, GRPO's and the pooled rows over the same responses as SPO-tree's;
+    # every chain once as SPO-chain's and once as GRPO's, with the tokens its Monte Carlo values cost.
+    by_estimator = {e: [(r["response_id"], r["tokens"], r["reward"]) for r in rows if r["estimator"] == e and r["setup"] == "tiny"]
                     for e in ("spo_tree", "spo_tree_pooled", "grpo")}
     assert by_estimator["spo_tree"] and by_estimator["spo_tree"] == by_estimator["grpo"] == by_estimator["spo_tree_pooled"]
+    chains = {e: [(r["response_id"], r["tokens"], r["reward"]) for r in rows if r["estimator"] == e and r["setup"] == "tiny_chain"]
+              for e in ("spo_chain", "grpo")}
+    assert len(chains["spo_chain"]) == 3 * 4 and chains["spo_chain"] == chains["grpo"]
+    assert all(int(r["mc_tokens"]) > 0 for r in rows if r["estimator"] == "spo_chain")
     assert {r["prompt_uid"] for r in rows} == {f"p{i}" for i in range(4)}
     for row in rows:
         length = int(row["length"])
@@ -603,6 +608,16 @@ def test_the_credit_command_measures_tree_and_grpo_on_the_same_leaves(runs):
         summary = list(csv.DictReader(handle))
     on_error = [r for r in summary if r["measure"] == "on_error" and r["value"]]
     assert on_error and all(0 <= float(r["low"]) <= float(r["high"]) <= 1 for r in on_error)
+    # The value check on the chains' prefixes: each valued by the chain's 4 continuations and a reference of 8.
+    with open(output / "values.csv", newline="") as handle:
+        values = list(csv.DictReader(handle))
+    assert len(values) >= 12 and {v["kind"] for v in values} <= {"boundary", "before_error", "after_error"}
+    assert all((v["estimate_samples"], v["reference_samples"]) == ("4", "8") for v in values)
+    assert {v["response_id"] for v in values} <= {r["response_id"] for r in rows if r["setup"] == "tiny_chain"}
+    assert "| tiny_add |" in (output / "values.md").read_text()
+    page = (output / "credit.html").read_text()
+    assert "<h2>tiny_add, " in page and "values_calibration.png" in page  # a wrong answer under each estimator
+    assert (output / "values_calibration.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize("algorithm", STUDY_ALGORITHMS)
