@@ -38,7 +38,6 @@ from pathlib import Path
 
 from spo_verl.credit.blame import MEASURES, VIEWS, Response, bootstrap, groups_of, paired_difference, summarise
 from spo_verl.credit.rollouts import ChainSetup, TreeSetup
-from spo_verl.credit.values import ValueRow
 
 THRESHOLD = 0.9  # algorithm.spo.prob_mask.threshold
 SMOLLM2_SETUPS = {

@@ -161,13 +161,25 @@ def pooled_segment_values(leaves: list[Leaf], rewards: list[float], i: int, ends
     return values
 
 
+def _response_fields(leaf: Leaf, i: int, tokenizer, threshold: float, locate) -> dict:
+    """What every estimator's view of response ``i`` shares: its tokens, reward, the probability mask
+    (the rollout's probability of each token below ``threshold``) and its first wrong token."""
+    from spo_verl.algorithms.masked_loss import probability_mask
+
+    ids = list(leaf.output.response_ids)
+    log_probs = torch.tensor(leaf.output.response_logprobs[: len(ids)], dtype=torch.float32)
+    in_loss = probability_mask(log_probs, torch.ones(len(ids)), threshold).bool().tolist()
+    texts = [tokenizer.decode([token]) for token in ids]
+    return dict(prompt_uid=leaf.uid, response_id=f"{leaf.uid}-{i}", reward=leaf.score, tokens=tuple(ids),
+                in_loss=tuple(in_loss), first_error=locate(leaf.uid, texts, leaf.score))
+
+
 def tree_and_grpo_responses(leaves: list[Leaf], config, tokenizer, threshold: float,
                             locate) -> dict[str, list[Response]]:
     """Three views of the same leaves, by estimator: ``spo_tree`` (verl's advantage step with the
     trees' metadata), ``spo_tree_pooled`` (the same segments, each value pooled over identical
     prefixes: :func:`pooled_segment_values`) and ``grpo`` (verl's). ``locate(uid, tokens, score)``: the
     first wrong token of a response given its tokens' texts (None for a right or unplaced one)."""
-    from spo_verl.algorithms.masked_loss import probability_mask
     from spo_verl.algorithms.tree_rows import _build_forest
 
     rows = [leaf.output.extra_fields["spo"] for leaf in leaves]
@@ -179,12 +191,8 @@ def tree_and_grpo_responses(leaves: list[Leaf], config, tokenizer, threshold: fl
     rewards = [0.0 if row["truncated"] else leaf.score for row, leaf in zip(rows, leaves)]
     views: dict[str, list[Response]] = {"spo_tree": [], "spo_tree_pooled": [], "grpo": []}
     for i, leaf in enumerate(leaves):
-        ids = list(leaf.output.response_ids)
-        length = len(ids)
-        log_probs = torch.tensor(leaf.output.response_logprobs[:length], dtype=torch.float32)
-        in_loss = probability_mask(log_probs, torch.ones(length), threshold).bool().tolist()
-        texts = [tokenizer.decode([token]) for token in ids]
-        first_error = locate(leaf.uid, texts, leaf.score)
+        common = _response_fields(leaf, i, tokenizer, threshold, locate)
+        length = len(common["tokens"])
         ends = list(rows[i]["segment_ends"])
         pooled = pooled_segment_values(leaves, rewards, i, ends)
         per_token, pooled_per_token, start = [], [], 0
@@ -193,8 +201,6 @@ def tree_and_grpo_responses(leaves: list[Leaf], config, tokenizer, threshold: fl
             pooled_per_token += [pooled[k + 1] - pooled[k]] * (end - start)
             start = end
         trained = context.trained_mask[i, :length].bool().tolist() if context.trained_mask is not None else [True] * length
-        common = dict(prompt_uid=leaf.uid, response_id=f"{leaf.uid}-{i}", reward=leaf.score, tokens=tuple(ids),
-                      in_loss=tuple(in_loss), first_error=first_error)
         views["spo_tree"].append(Response(advantages=tuple(per_token), trained=tuple(trained), **common))
         views["spo_tree_pooled"].append(Response(advantages=tuple(pooled_per_token), trained=tuple(trained), **common))
         views["grpo"].append(Response(advantages=tuple(float(a) for a in grpo_advantages[i, :length]), **common))
@@ -206,21 +212,13 @@ def chain_and_grpo_responses(leaves: list[Leaf], config, tokenizer, threshold: f
     """Two views of the same chains, by estimator: ``spo_chain`` (verl's advantage step with the chains'
     metadata: each segment's ``V(after) - V(before)`` on its tokens) and ``grpo`` (verl's, over the
     same responses). ``locate`` as for :func:`tree_and_grpo_responses`."""
-    from spo_verl.algorithms.masked_loss import probability_mask
-
     rows = [leaf.output.extra_fields["spo"] for leaf in leaves]
     chain_advantages, _ = _verl_advantages(leaves, "spo_chain", config, rows)
     grpo_advantages, _ = _verl_advantages(leaves, "grpo", config)
     views: dict[str, list[Response]] = {"spo_chain": [], "grpo": []}
     for i, leaf in enumerate(leaves):
-        ids = list(leaf.output.response_ids)
-        length = len(ids)
-        log_probs = torch.tensor(leaf.output.response_logprobs[:length], dtype=torch.float32)
-        in_loss = probability_mask(log_probs, torch.ones(length), threshold).bool().tolist()
-        texts = [tokenizer.decode([token]) for token in ids]
-        common = dict(prompt_uid=leaf.uid, response_id=f"{leaf.uid}-{i}", reward=leaf.score, tokens=tuple(ids),
-                      in_loss=tuple(in_loss), first_error=locate(leaf.uid, texts, leaf.score),
-                      mc_tokens=int(rows[i]["chain"]["mc_tokens"]))
+        common = {**_response_fields(leaf, i, tokenizer, threshold, locate), "mc_tokens": int(rows[i]["chain"]["mc_tokens"])}
+        length = len(common["tokens"])
         views["spo_chain"].append(Response(advantages=tuple(float(a) for a in chain_advantages[i, :length]), **common))
         views["grpo"].append(Response(advantages=tuple(float(a) for a in grpo_advantages[i, :length]), **common))
     return views
