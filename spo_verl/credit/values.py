@@ -149,6 +149,7 @@ async def value_prefixes(client, responses, chosen: Sequence[Prefix], score, *, 
     rows: list[ValueRow] = []
     for start in range(0, len(chosen), concurrent):
         rows += await asyncio.gather(*(one(prefix) for prefix in chosen[start : start + concurrent]))
+        print(f"credit: {len(rows)} of {len(chosen)} prefixes valued", flush=True)
     return rows
 
 
