@@ -1,16 +1,20 @@
 """The SPO recipe composes against verl 0.9.1's real configuration tree, passes verl's own validation
 for every algorithm choice, and the launch scripts print what they would run."""
 
+import json
 import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from omegaconf.errors import InterpolationResolutionError
+from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
+from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, POLICY_LOSS_REGISTRY
 from verl.trainer.ppo.utils import need_critic, need_reference_policy
 from verl.utils.config import omega_conf_to_dataclass, validate_config
 
@@ -210,6 +214,158 @@ def test_an_invalid_setting_stops_the_entry_point_before_ray_starts():
     assert result.returncode != 0
     assert "algorithm.spo.tree.std_normalize must be true or false, got 'maybe'" in result.stderr
     assert "Started a local Ray instance" not in result.stderr + result.stdout
+
+
+def test_mistyped_registered_names_are_refused_with_the_registered_names():
+    """Each name verl looks up in a registry once Ray runs is looked up before, with what is there."""
+    cases = [
+        ("algorithm.adv_estimator=spo_teee", "algorithm.adv_estimator=spo_teee is not a registered advantage "
+         f"estimator; registered: {sorted(ADV_ESTIMATOR_REGISTRY)}"),
+        ("actor_rollout_ref.actor.policy_loss.loss_mode=spo_prob_mak", "actor_rollout_ref.actor.policy_loss.loss_mode="
+         f"spo_prob_mak is not a registered policy loss; registered: {sorted(POLICY_LOSS_REGISTRY)}"),
+        ("actor_rollout_ref.rollout.agent.default_agent_loop=spo_teee", "actor_rollout_ref.rollout.agent."
+         f"default_agent_loop=spo_teee is not a registered agent loop; registered: {sorted(_agent_loop_registry)}"),
+    ]
+    for override, message in cases:
+        with pytest.raises(ValueError) as refused:
+            validate_spo_run(compose_recipe(override))
+        assert str(refused.value) == message
+    # SPO's names are among those listed, and verl's own.
+    assert {"spo_tree", "spo_chain", "grpo", "gae"} <= set(ADV_ESTIMATOR_REGISTRY)
+    assert {"spo_prob_mask", "vanilla"} <= set(POLICY_LOSS_REGISTRY)
+    assert {"spo_tree", "spo_chain", "single_turn_agent"} <= set(_agent_loop_registry)
+
+
+REWARD_SOURCE = """
+raise RuntimeError("the driver ran the reward file")  # the check reads the source, never runs it
+from math import isclose as close_enough
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return float(solution_str == ground_truth)
+
+async def score_async(data_source, solution_str, ground_truth, extra_info=None):
+    return 0.0
+
+try:
+    from fast_scores import tuned_score
+except ImportError:
+    tuned_score = compute_score
+"""
+
+
+def test_the_reward_function_is_found_in_its_source_without_running_it(tmp_path):
+    reward_file = tmp_path / "my_reward.py"
+    reward_file.write_text(REWARD_SOURCE)
+
+    def reward(path, name):
+        return compose_recipe(f"reward.custom_reward_function.path={path}", f"reward.custom_reward_function.name={name}")
+
+    for path, name in [(reward_file, "compute_score"), (f"file://{reward_file}", "score_async"),
+                       (reward_file, "tuned_score"), (reward_file, "close_enough"),
+                       ("pkg://spo_verl.rewards", "compute_score"), ("pkg://spo_verl/rewards", "compute_score")]:
+        validate_spo_run(reward(path, name))
+    key = "reward.custom_reward_function"
+    refusals = [
+        ((reward_file, "compute_scor"), f"{key}.name=compute_scor is not defined in {key}.path={reward_file}; its "
+         "functions: ['compute_score', 'score_async']"),
+        ((tmp_path / "my_rewards.py", "compute_score"), f"{key}.path={tmp_path / 'my_rewards.py'}: no such file"),
+        (("pkg://spo_verl.reward", "compute_score"), f"{key}.path=pkg://spo_verl.reward: no module named spo_verl.reward"),
+        (("pkg://spo_verl.rewards", "score"), f"{key}.name=score is not defined in {key}.path=pkg://spo_verl.rewards; "
+         "its functions: ['_gsm8k_correct', '_math_correct', 'compute_score']"),
+        (("pkg://no_such_package.rewards", "compute_score"),
+         f"{key}.path=pkg://no_such_package.rewards: no module named no_such_package.rewards"),
+    ]
+    for (path, name), message in refusals:
+        with pytest.raises(ValueError) as refused:
+            validate_spo_run(reward(path, name))
+        assert str(refused.value) == message
+
+
+def test_names_registered_by_verls_other_routes_are_accepted(tmp_path, monkeypatch):
+    """verl also registers agent loops from ``agent_loop_config_path`` and whatever ``external_lib``
+    registers when imported: both count, so no valid run is refused."""
+    loops = tmp_path / "agent_loops.yaml"
+    loops.write_text("- name: my_loop\n  _target_: my_package.MyAgentLoop\n")
+    validate_spo_run(compose_recipe("spo_algorithm=grpo", "actor_rollout_ref.rollout.agent.default_agent_loop=my_loop",
+                                    f"actor_rollout_ref.rollout.agent.agent_loop_config_path={loops}"))
+    with pytest.raises(ValueError, match=r"agent_loop_config_path=\S+/missing\.yaml: no such file"):
+        validate_spo_run(compose_recipe(f"actor_rollout_ref.rollout.agent.agent_loop_config_path={tmp_path}/missing.yaml"))
+
+    (tmp_path / "my_estimator_plugin.py").write_text(
+        "from verl.trainer.ppo.core_algos import register_adv_est\n"
+        "register_adv_est('my_estimator')(lambda **kwargs: None)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        validate_spo_run(compose_recipe("spo_algorithm=grpo", "algorithm.adv_estimator=my_estimator",
+                                        "actor_rollout_ref.model.external_lib=my_estimator_plugin"))
+    finally:
+        ADV_ESTIMATOR_REGISTRY.pop("my_estimator", None)
+        sys.modules.pop("my_estimator_plugin", None)
+    with pytest.raises(ValueError, match=r"^actor_rollout_ref\.model\.external_lib=no_such_plugin cannot be imported"):
+        validate_spo_run(compose_recipe("actor_rollout_ref.model.external_lib=no_such_plugin"))
+
+
+def test_the_cluster_settings_names_pass(tiny_model):
+    """The names the run scripts' cluster settings use, the reward function included."""
+    for algorithm in ALGORITHMS:
+        validate_spo_run(compose_recipe(f"spo_algorithm={algorithm}", f"actor_rollout_ref.model.path={tiny_model[0]}",
+                                        "reward.custom_reward_function.path=pkg://spo_verl.rewards",
+                                        "reward.custom_reward_function.name=compute_score"))
+
+
+@pytest.fixture
+def cpu_tiny_cache(tiny_model, tmp_path):
+    """A cpu-tiny cache folder (spo_verl/cpu_settings/cache.py) around the session's tiny model, without
+    the setting's fine-tuning: a run refused before Ray never loads it."""
+    from spo_verl.cpu_settings import tiny
+
+    cache = tmp_path / "cpu-tiny"
+    cache.mkdir()
+    (cache / "model").symlink_to(tiny_model[0])
+    tiny.write_data(cache / "data")
+    (cache / "built.json").write_text(json.dumps({"version": tiny.VERSION}))
+    return cache
+
+
+def test_a_mistyped_loss_mode_stops_the_run_script_with_one_line_before_ray(cpu_tiny_cache, tmp_path):
+    started = time.monotonic()
+    result = run_script("run_grpo.sh", "actor_rollout_ref.actor.policy_loss.loss_mode=vanila",
+                        f"hydra.run.dir={tmp_path / 'hydra'}", SETTING="cpu-tiny", SPO_CPU_CACHE=str(cpu_tiny_cache),
+                        VERL_FILE_LOGGER_PATH=str(tmp_path / "metrics.jsonl"), TENSORBOARD_DIR=str(tmp_path / "tb"),
+                        CHECKPOINT_DIR=str(tmp_path / "checkpoints"))
+    seconds = time.monotonic() - started
+    output = result.stdout + result.stderr  # the CPU settings send both through one console filter
+    assert result.returncode == 2, output[-3000:]
+    last = [line for line in result.stdout.splitlines() if line.strip()][-1]
+    assert last.startswith("spo: actor_rollout_ref.actor.policy_loss.loss_mode=vanila is not a registered policy "
+                           "loss; registered: ["), output[-3000:]
+    assert "'vanilla'" in last and "'spo_prob_mask'" in last
+    assert "Traceback" not in output and "Error executing job" not in output
+    assert "Started a local Ray instance" not in output
+    # Three Python starts (the cache, the environment, the entry point's imports): ~12 s on two cores;
+    # a trainer's start alone takes minutes.
+    assert seconds < 60, seconds
+
+
+def test_a_refusal_is_one_line_and_status_2_unless_spo_debug_is_set(capsys, monkeypatch):
+    from recipe.spo.main_spo import validate_or_exit
+
+    monkeypatch.delenv("SPO_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exited:
+        validate_or_exit(compose_recipe("algorithm.adv_estimator=grp"))
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == ("spo: algorithm.adv_estimator=grp is not a registered advantage estimator; "
+                                       f"registered: {sorted(ADV_ESTIMATOR_REGISTRY)}\n")
+    # A check that fails while OmegaConf resolves rollout.n: the check's own message, not OmegaConf's.
+    with initialize_config_dir(config_dir=RECIPE_CONFIG, version_base=None):
+        unresolved = compose(config_name="spo_trainer", overrides=[*CLUSTER, "algorithm.spo.tree.branching=[6,0,6]"])
+    with pytest.raises(SystemExit):
+        validate_or_exit(unresolved)
+    assert capsys.readouterr().err == "spo: algorithm.spo.tree.branching[1] must be a positive integer, got 0\n"
+
+    monkeypatch.setenv("SPO_DEBUG", "1")
+    with pytest.raises(ValueError, match="algorithm.adv_estimator=grp is not a registered advantage estimator"):
+        validate_or_exit(compose_recipe("algorithm.adv_estimator=grp"))
 
 
 def test_run_spo_chain_cfg_job_shows_the_papers_gsm8k_setting():

@@ -1,12 +1,19 @@
 """Entry point of the SPO recipe: ``python -m recipe.spo.main_spo [hydra overrides]`` from the repo root.
 
 Composes verl 0.9.1's ``ppo_trainer`` configuration with ``config/spo_trainer.yaml``, validates the
-SPO settings and verl's own settings before anything starts, then runs verl's ``run_ppo`` with a
-TaskRunner that trains with SPO (default v1 trainer, or the legacy one with ``trainer.use_v1=false``),
-once more if Ray itself timed out starting.
+SPO settings, the names verl looks up in its registries and verl's own settings before anything
+starts, then runs verl's ``run_ppo`` with a TaskRunner that trains with SPO (default v1 trainer, or
+the legacy one with ``trainer.use_v1=false``), once more if Ray itself timed out starting.
+
+A configuration refused before Ray starts prints one line, ``spo: <why>``, to stderr and exits with
+status 2; ``SPO_DEBUG=1`` raises the error instead, with its traceback.
 """
 
+import os
+import sys
+
 import hydra
+from omegaconf.errors import OmegaConfBaseException
 from verl.trainer.main_ppo import run_ppo
 from verl.trainer.ppo.utils import need_critic, need_reference_policy
 from verl.utils.config import validate_config
@@ -15,12 +22,35 @@ from verl.utils.device import auto_set_device
 from spo_verl.trainer.runners import run_with_one_restart, task_runner_for
 from spo_verl.trainer.validation import validate_spo_run
 
+REFUSED_EXIT_STATUS = 2  # as the launcher's unknown SETTING: the run was refused, nothing started
+DEBUG_VARIABLE = "SPO_DEBUG"
+
+
+def validate_or_exit(config) -> None:
+    """Validate before Ray starts; a refusal exits with one line (Hydra would print its own "Error
+    executing job" and a traceback for it; a SystemExit passes through Hydra untouched)."""
+    try:
+        auto_set_device(config)
+        validate_spo_run(config)
+        validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    except ValueError as error:
+        if os.environ.get(DEBUG_VARIABLE, "") not in ("", "0"):
+            raise
+        print(refusal_line(error), file=sys.stderr, flush=True)
+        sys.exit(REFUSED_EXIT_STATUS)
+
+
+def refusal_line(error: ValueError) -> str:
+    """The reason on one line. A check that fails while OmegaConf resolves an interpolation (the tree's
+    rollout.n) reaches here wrapped in OmegaConf's error: its own message is the reason."""
+    if isinstance(error, OmegaConfBaseException) and isinstance(error.__cause__, ValueError):
+        error = error.__cause__
+    return "spo: " + " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+
 
 @hydra.main(config_path="config", config_name="spo_trainer", version_base=None)
 def main(config):
-    auto_set_device(config)
-    validate_spo_run(config)
-    validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    validate_or_exit(config)
     run_with_one_restart(run_ppo, config, task_runner_for(config))
 
 

@@ -1,11 +1,29 @@
-"""Configuration-time checks of an SPO run, before Ray or any GPU is touched."""
+"""Configuration-time checks of an SPO run, before Ray or any GPU is touched.
+
+The agent loop, advantage estimator, policy loss and reward function a run names are looked up here,
+as verl 0.9.1 would look them up once Ray runs. verl internals this relies on:
+``verl.experimental.agent_loop.agent_loop._agent_loop_registry`` (private; verl's agent-loop workers
+also add the entries of ``actor_rollout_ref.rollout.agent.agent_loop_config_path``, read here with
+``verl.utils.import_utils.resolve_config_path``), ``verl.trainer.ppo.core_algos.ADV_ESTIMATOR_REGISTRY``
+and ``POLICY_LOSS_REGISTRY``, ``verl.utils.import_utils.import_external_libs`` and its
+``PKG_PATH_PREFIX``/``FILE_PATH_PREFIX`` (how ``verl.trainer.ppo.reward.get_custom_reward_fn`` reads
+``reward.custom_reward_function.path``), and ``ray_trainer.compute_advantage`` computing ``gae`` and
+``grpo`` without the registry.
+"""
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import logging
+from enum import Enum
+from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
 from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
+from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, POLICY_LOSS_REGISTRY, AdvantageEstimator
+from verl.utils.import_utils import FILE_PATH_PREFIX, PKG_PATH_PREFIX, import_external_libs, resolve_config_path
 
 import spo_verl.register  # noqa: F401  (agent loops registered before they are looked up)
 from spo_verl.config import check_cutpoint_tree_fits, check_tree_fits, parse_spo_settings, tree_segment_budgets
@@ -21,15 +39,11 @@ VLLM_DEFAULT_BLOCK_SIZE = {"cuda": 16, "cpu": 128}
 
 def validate_spo_run(config: Any) -> None:
     """Raise ``ValueError`` naming the setting to change if the configuration cannot run SPO."""
+    check_registered_names(config)
     settings = parse_spo_settings(config.algorithm.get("spo"))
     estimator = config.algorithm.adv_estimator
     rollout = config.actor_rollout_ref.rollout
     agent_loop = rollout.agent.default_agent_loop
-    if agent_loop not in _agent_loop_registry:
-        raise ValueError(
-            f"actor_rollout_ref.rollout.agent.default_agent_loop={agent_loop} is not a registered agent loop; "
-            f"registered: {sorted(_agent_loop_registry)}"
-        )
     if estimator in SPO_ESTIMATORS:
         if agent_loop != estimator:
             raise ValueError(
@@ -62,6 +76,104 @@ def validate_spo_run(config: Any) -> None:
     if settings.packed_training:
         check_packed_training(config)
     check_rollout_log_probs_as_old(config)
+
+
+def check_registered_names(config: Any) -> None:
+    """Raise ``ValueError`` naming the setting and the registered names if verl would not find the
+    agent loop, advantage estimator, policy loss or reward function the configuration names."""
+    # verl's model config imports external_lib before any worker looks a name up; a plugin there may
+    # register names of its own.
+    external_lib = config.actor_rollout_ref.model.get("external_lib", None) or None
+    try:
+        import_external_libs(external_lib)
+    except ImportError as error:
+        raise ValueError(f"actor_rollout_ref.model.external_lib={external_lib} cannot be imported: {error}") from error
+    agent = config.actor_rollout_ref.rollout.agent
+    agent_loops = {*_agent_loop_registry, *agent_loops_in_file(agent)}
+    if agent.default_agent_loop not in agent_loops:
+        raise ValueError(
+            f"actor_rollout_ref.rollout.agent.default_agent_loop={agent.default_agent_loop} is not a registered "
+            f"agent loop; registered: {sorted(agent_loops)}"
+        )
+    estimator = config.algorithm.adv_estimator
+    estimator = estimator.value if isinstance(estimator, Enum) else estimator
+    # verl's compute_advantage computes gae and grpo itself; every other name goes through the registry.
+    estimators = {*ADV_ESTIMATOR_REGISTRY, AdvantageEstimator.GAE.value, AdvantageEstimator.GRPO.value}
+    if estimator not in estimators:
+        raise ValueError(f"algorithm.adv_estimator={estimator} is not a registered advantage estimator; "
+                         f"registered: {sorted(estimators)}")
+    loss_mode = config.actor_rollout_ref.actor.policy_loss.get("loss_mode", "vanilla")
+    if loss_mode not in POLICY_LOSS_REGISTRY:
+        raise ValueError(f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode} is not a registered policy "
+                         f"loss; registered: {sorted(POLICY_LOSS_REGISTRY)}")
+    check_reward_function(config.get("reward", None) or {})
+
+
+def agent_loops_in_file(agent: Any) -> list[str]:
+    """The agent loops verl's agent-loop workers register from ``agent_loop_config_path``."""
+    path = agent.get("agent_loop_config_path", None)
+    if not path:
+        return []
+    try:
+        entries = OmegaConf.load(resolve_config_path(path))
+    except FileNotFoundError:
+        raise ValueError(f"actor_rollout_ref.rollout.agent.agent_loop_config_path={path}: no such file") from None
+    return [str(entry.name) for entry in entries]
+
+
+def check_reward_function(reward: Any) -> None:
+    """``reward.custom_reward_function`` as verl's ``get_custom_reward_fn`` reads it: a file (``file://``
+    optional) or a module (``pkg://``) that defines ``name`` at its top level. The source is read, not
+    run: the file's own imports may be heavy, and a driver need not run them to find a name."""
+    selection = reward.get("custom_reward_function", None) or {}
+    path, name = selection.get("path", None), selection.get("name", None)
+    if not path:
+        return
+    key = "reward.custom_reward_function"
+    if not name:
+        raise ValueError(f"{key}.path={path} needs {key}.name, the function to call")
+    source = reward_source_file(path)
+    if source is None or source.suffix != ".py":
+        return  # a compiled or namespace module: nothing to read
+    module = ast.parse(source.read_text(), filename=str(source))
+    defined = top_level_names(module)
+    if name in defined or "*" in defined or "__getattr__" in defined:  # the last two make names at import
+        return
+    functions = sorted(node.name for node in module.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)))
+    raise ValueError(f"{key}.name={name} is not defined in {key}.path={path}; its functions: {functions}")
+
+
+def reward_source_file(path: str) -> Path | None:
+    key = "reward.custom_reward_function.path"
+    if path.startswith(PKG_PATH_PREFIX):
+        module = path[len(PKG_PATH_PREFIX):].replace("/", ".")
+        try:
+            spec = importlib.util.find_spec(module)
+        except (ImportError, ValueError):  # a parent package is missing, or the name is empty
+            spec = None
+        if spec is None:
+            raise ValueError(f"{key}={path}: no module named {module}")
+        return Path(spec.origin) if spec.origin and spec.has_location else None
+    file = Path(path.removeprefix(FILE_PATH_PREFIX))
+    if not file.is_file():
+        raise ValueError(f"{key}={path}: no such file" + ("" if file.is_absolute() else f" in {Path.cwd()}"))
+    return file
+
+
+def top_level_names(module: ast.Module) -> set[str]:
+    """Names a module binds in its own namespace (``*`` for a star import)."""
+    names, nodes = set(), list(module.body)
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update(alias.asname or alias.name.partition(".")[0] for alias in node.names)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif not isinstance(node, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+            nodes.extend(ast.iter_child_nodes(node))  # own scopes are skipped: their names are not the module's
+    return names
 
 
 def engine_block_size(rollout: Any, device: str) -> int | None:
