@@ -82,9 +82,11 @@ class CascadeLayout:
 def build_cascade_layout(packed: PackedTree, device: torch.device | str | None = None) -> CascadeLayout:
     """The per-group gather indices of :func:`cascade_attention_forward` for ``packed`` (vectorised
     per group: the key positions of a node come from its ancestor table and path offsets)."""
-    starts, lengths = packed.node_starts, packed.node_lengths
-    depths = packed.node_depths
-    path_offsets = packed.position_ids[starts]  # path position of each node's first token
+    # Built on the CPU whichever device the tree is on (the packed engine moves it to the GPU first), then
+    # moved to ``device``: the bookkeeping below makes index tensors of its own, and reads sizes per group.
+    starts, lengths = packed.node_starts.cpu(), packed.node_lengths.cpu()
+    depths, ancestors = packed.node_depths.cpu(), packed.node_ancestors.cpu()
+    path_offsets = packed.position_ids.cpu()[starts]  # path position of each node's first token
     kv_lengths = path_offsets + lengths
     num_nodes = starts.numel()
     groups = []
@@ -97,7 +99,7 @@ def build_cascade_layout(packed: PackedTree, device: torch.device | str | None =
         for group in range(unique_keys.numel()):
             nodes = (inverse == group).nonzero().squeeze(1)
             depth, q_len, kv_len = int(depths[nodes[0]]), int(lengths[nodes[0]]), int(kv_lengths[nodes[0]])
-            chain = packed.node_ancestors[nodes, : depth + 1]  # (G, depth + 1) root .. node
+            chain = ancestors[nodes, : depth + 1]  # (G, depth + 1) root .. node
             chain_starts, chain_offsets = starts[chain], path_offsets[chain]  # (G, depth + 1)
             k = torch.arange(kv_len)
             holder = torch.searchsorted(chain_offsets, k.expand(nodes.numel(), kv_len).contiguous(), right=True) - 1
