@@ -8,4 +8,6 @@ rollout path on the CPU, each comparison run side by side in one run. One comman
 Modules: ``maths`` (estimators, batched functions, loss), ``rollout`` (trees and SPO-chain through
 verl's agent-loop worker and vLLM server), ``tokens`` (training tokens per step), ``timing``
 (alternating comparisons, peak memory), ``report`` (the Markdown), ``cli`` (the command).
+``gpu_check`` is the prepared GPU check (``bash scripts/gpu_check.sh``, docs/CLUSTER.md; no verl), with
+``gpu_model``, ``gpu_packing``, ``gpu_maths`` and ``gpu_report``.
 """

@@ -200,6 +200,28 @@ def reference_tree_calls(trees: int):
 # ------------------------------------------------------------------------------------------------
 
 
+@dataclass
+class LossBatch:
+    old_log_prob: torch.Tensor
+    log_prob: torch.Tensor  # a leaf that requires grad
+    advantages: torch.Tensor
+    response_mask: torch.Tensor  # bool
+
+
+def loss_batch(quick: bool, seed: int = 0, device: str | torch.device = "cpu") -> LossBatch:
+    """One micro-batch of responses (1/4 to all of the width valid), about half of the tokens below
+    the probability mask's p = 0.9; drawn on the CPU (the same numbers on every device)."""
+    batch, width = _size(LOSS_BATCH, quick)
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(width // 4, width + 1, (batch,), generator=generator)
+    response_mask = torch.arange(width)[None, :] < lengths[:, None]
+    old_log_prob = -torch.rand(batch, width, generator=generator) ** 2 * 3  # p from 0.05 to 1: ~half below 0.9
+    log_prob = old_log_prob + 0.05 * torch.randn(batch, width, generator=generator)
+    advantages = torch.randn(batch, 1, generator=generator).expand(batch, width).contiguous()
+    return LossBatch(old_log_prob.to(device), log_prob.to(device).requires_grad_(True), advantages.to(device),
+                     response_mask.to(device))
+
+
 def loss_call(name: str, quick: bool, seed: int = 0):
     """Forward and backward of verl's registered loss on one micro-batch: ``vanilla``,
     ``spo_prob_mask:reference`` or ``spo_prob_mask:verl``. Same tensors for every name."""
@@ -210,12 +232,9 @@ def loss_call(name: str, quick: bool, seed: int = 0):
     from spo_verl.policy_loss import SPOPolicyLossConfig
 
     batch, width = _size(LOSS_BATCH, quick)
-    generator = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(width // 4, width + 1, (batch,), generator=generator)
-    response_mask = torch.arange(width)[None, :] < lengths[:, None]
-    old_log_prob = -torch.rand(batch, width, generator=generator) ** 2 * 3  # p from 0.05 to 1: ~half below 0.9
-    log_prob = (old_log_prob + 0.05 * torch.randn(batch, width, generator=generator)).requires_grad_(True)
-    advantages = torch.randn(batch, 1, generator=generator).expand(batch, width).contiguous()
+    inputs = loss_batch(quick, seed)
+    old_log_prob, log_prob, advantages, response_mask = (inputs.old_log_prob, inputs.log_prob, inputs.advantages,
+                                                         inputs.response_mask)
     loss_mode, _, normalization = name.partition(":")
     policy_loss = (SPOPolicyLossConfig(loss_mode=loss_mode, spo={"prob_mask": {"normalization": normalization}})
                    if normalization else PolicyLossConfig(loss_mode=loss_mode))
