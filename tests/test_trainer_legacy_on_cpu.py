@@ -312,3 +312,22 @@ def test_credit_metrics_read_the_legacy_batch_after_its_advantage_step():
     assert metrics["spo/credit/right_steps_negative_fraction"] == 1.0
     assert metrics["spo/credit/right_answers_negative_fraction"] == 0.0
     assert metrics["spo/credit/seconds"] >= 0
+
+
+def test_credit_metrics_leave_out_a_trees_stand_in_rows():
+    """A stand-in row (a copy of a real leaf in an unused slot, ``trains`` false) is not a second answer."""
+    from spo_verl.trainer.credit_step import step_credit_metrics
+    from spo_verl.trainer.sample_log import SampledResponse
+
+    prompt, wrong = "What is 3 + 4 + 2?", "3 + 4 = 8. 8 + 2 = 10. #### 10"
+    ids = [ord(c) for c in wrong]
+
+    def leaf(index, trains):
+        row = {"tree_id": "t", "path": [1], "segment_ends": [len(ids)], "trains": trains}
+        return SampledResponse(batch_index=index, uid="t", row=row, prompt_ids=[ord(c) for c in prompt], response_ids=ids,
+                               log_probs=torch.full((len(ids),), float(np.log(0.5))), response_mask=torch.ones(len(ids)),
+                               advantages=torch.full((len(ids),), -0.5), trained=torch.ones(len(ids), dtype=torch.bool),
+                               score=0.0)
+
+    metrics = step_credit_metrics([leaf(0, True), leaf(1, False)], TextTokenizer(), 0.9)
+    assert metrics["spo/credit/wrong_answers_placed"] == 1 and metrics["spo/credit/right_answers"] == 0

@@ -28,7 +28,9 @@ def step_credit_metrics(responses: Sequence[SampledResponse], tokenizer, thresho
     """``spo/credit/*`` of the step's responses (every real row of the batch)."""
     started = time.perf_counter()
     measured = []
-    for r in responses:
+    # A stand-in row fills a tree's unused leaf slot with a copy of a real leaf (it trains nothing):
+    # counted, it would be one answer twice.
+    for r in (r for r in responses if getattr(r.row, "trains", True)):
         length = len(r.response_ids)
         mask = r.response_mask[:length]
         measured.append(Response(
