@@ -147,8 +147,7 @@ class SPOTrainer(PPOTrainerSync):
         )
         fields = {name: list(data[name].unbind()) for name in data.keys()}
         masks = list(stored["response_mask"].unbind())
-        uids = stored["uid"]  # a list of strings from TransferQueue (NonTensorStack once padded)
-        uids = [str(uid) for uid in (uids.tolist() if hasattr(uids, "tolist") else uids)]
+        uids = _stored_uids(stored)
         trained_mask = context.trained_mask if context is not None else None
         responses = []
         for j, i in enumerate(chosen):
@@ -176,8 +175,7 @@ class SPOTrainer(PPOTrainerSync):
         """``algorithm.spo.sample_log``: fetch only the chosen rows from TransferQueue and append them."""
         if spo_settings_of(self).sample_log.dir is None:
             return
-        uids = stored["uid"]
-        uids = [str(uid) for uid in (uids.tolist() if hasattr(uids, "tolist") else uids)]
+        uids = _stored_uids(stored)
         log_step(
             self.global_steps, self.config, self.tokenizer, uids, [int(m.sum()) for m in stored["response_mask"].unbind()],
             lambda chosen: self._responses(batch, stored, context, chosen),
@@ -217,6 +215,12 @@ class SPOTrainer(PPOTrainerSync):
             tags=batch.tags + [tag for _, tag in added],
             extra_info=batch.extra_info,
         )
+
+
+def _stored_uids(stored) -> list[str]:
+    """The batch's uids as TransferQueue returns them (a list of strings, a NonTensorStack once padded)."""
+    uids = stored["uid"]
+    return [str(uid) for uid in (uids.tolist() if hasattr(uids, "tolist") else uids)]
 
 
 def _fit_padding_rows(update: KVBatchMeta, known: set) -> None:
