@@ -37,7 +37,9 @@ class Response:
     in_loss: tuple[bool, ...]  # the probability mask (and the response mask)
     trained: tuple[bool, ...] = ()  # the row trains this token (default: every token)
     first_error: int | None = None  # the first wrong token of a wrong answer; None: right or not placed
-    mc_tokens: int = 0  # tokens generated to value this response's boundaries (SPO-chain's continuations)
+    # Tokens SPO-chain's continuations generated for the boundaries this response asked for first: a
+    # prefix its prompt's chains share is valued once, so a group's sum is what its values cost.
+    mc_tokens: int = 0
 
     def __post_init__(self):
         if not self.trained:
