@@ -30,9 +30,7 @@ if [[ $# -gt 0 ]]; then
   run_pytest "$@"
   exit $?
 fi
-# loadgroup: the tests that run Ray in the pytest process (verl's server for the session among them)
-# share one worker (tests/conftest.py).
-run_pytest -m "not end_to_end" -n "${SPO_TEST_WORKERS:-2}" --dist loadgroup
+run_pytest -m "not end_to_end" -n "${SPO_TEST_WORKERS:-2}"
 status=$?
 if [[ $status -ne 0 ]]; then
   echo "run_tests: the end-to-end runs were not started: the tests before them did not all pass" >&2

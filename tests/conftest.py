@@ -26,7 +26,6 @@ from spo_verl.cpu_settings.tiny_model import build_tiny_qwen2, build_tiny_tokeni
 
 SERVER_FIXTURE = "verl_server"
 END_TO_END = "end_to_end"
-RAY_IN_PROCESS = "ray_in_process"
 RUN_TIMES = pytest.StashKey[Path]()
 RUNNING_SERVERS: list = []  # verl servers this session started and has not shut down
 
@@ -34,8 +33,6 @@ RUNNING_SERVERS: list = []  # verl servers this session started and has not shut
 def pytest_configure(config):
     config.addinivalue_line("markers", f"{END_TO_END}: a run of verl's whole trainer through the run scripts "
                                        "(minutes; the fast tier deselects them with -m 'not end_to_end')")
-    config.addinivalue_line("markers", f"{RAY_IN_PROCESS}: starts Ray in the pytest process itself (and shuts it "
-                                       "down); runs on the worker that runs the tests on verl's server")
 
 
 def _tier(item) -> int:
@@ -44,16 +41,12 @@ def _tier(item) -> int:
     return 1 if SERVER_FIXTURE in getattr(item, "fixturenames", ()) else 0
 
 
-@pytest.hookimpl(tryfirst=True)  # the group mark before pytest-xdist reads it
 def pytest_collection_modifyitems(session, config, items):
     """Unit and seam tests first, then the tests that use verl's server, then the end-to-end runs;
-    each tier keeps its order. With pytest-xdist (``--dist loadgroup``), every test that runs Ray in
-    the pytest process goes to one worker, in this order: one Ray per process, and the session's server
-    is started there only after the tests that start and stop Ray themselves."""
+    each tier keeps its order. pytest-xdist's workers (scripts/run_tests.sh) take tests in this order
+    too, each its share: a worker starts its own server at its first server test, after any test it
+    runs that starts and stops Ray in the process itself."""
     items.sort(key=_tier)
-    for item in items:
-        if _tier(item) == 1 or item.get_closest_marker(RAY_IN_PROCESS):
-            item.add_marker(pytest.mark.xdist_group(RAY_IN_PROCESS))
 
 
 @pytest.hookimpl(tryfirst=True)  # before the item's fixtures are set up

@@ -19,8 +19,6 @@ from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 from spo_verl.estimators import SPOMetadataMissingError
 from spo_verl.trainer.v1 import SPOTrainer, lift_spo_metrics
 
-pytestmark = pytest.mark.ray_in_process
-
 PAPER_LEAF_REWARDS = [1, 0, 1, 1, 1, 1, 0, 0, 0]
 
 
