@@ -4,10 +4,10 @@ verl's TaskRunner and Ray worker groups, the FSDP2 engine training on gloo, verl
 vLLM's CPU backend, verl's GSM8K reward, the SPO advantage step and loss, and verl's actor -> vLLM
 weight sync, on the tiny ``cpu-tiny`` setting (spo_verl/cpu_settings/tiny.py). The README's command, with
 no settings, trains the CPU default (``cpu-smollm2``: SmolLM2-135M, whose tied head must sync into
-vLLM), and the study command ``scripts/compare.sh --quick`` (SPO-tree, then the tree that forks at
-cutpoints) is stopped after its first checkpoint, resumed (SPO-tree alone, then validated by sampling)
-and run once more (the cutpoint tree), report included. The credit
-command's quick form (``python -m spo_verl.credit --quick``) runs beside them.
+vLLM) for two steps, and the study command ``scripts/compare.sh --quick`` (SPO-tree, then SPO-chain) is
+stopped after its first checkpoint, resumed (SPO-tree alone, then validated by sampling) and run once
+more (SPO-chain), report included. The credit command's quick form (``python -m spo_verl.credit
+--quick``) runs beside them.
 
 A run costs about two minutes of two cores, almost all of it verl, Ray and vLLM starting (the table
 at the end of the session splits each run's time by phase), so each run covers every seam its
@@ -88,12 +88,10 @@ class TrainerCase:
 
 
 CASES = [
-    TrainerCase("v1-spo_chain", "run_spo_chain.sh", None, CHECK),
-    # Plain GRPO on verl's own per-row forward and old-log-prob pass: verl as it is, with the plugin's
-    # token count and budget.
-    TrainerCase("v1-grpo-per_row", "run_grpo.sh", None, PER_ROW, BUDGET_STOP),
     TrainerCase("v1-grpo_prob_mask-bf16", "run_grpo.sh", "grpo_prob_mask", CHECK + VERL_MIXED_PRECISION),
-    TrainerCase("v1-ppo", "run_grpo.sh", "ppo", CHECK),
+    # PPO with its critic on verl's own per-row forward and old-log-prob pass (PPO's advantages are never
+    # all zero, so each step trains per row), stopped by the plugin's token budget.
+    TrainerCase("v1-ppo-per_row", "run_grpo.sh", "ppo", PER_ROW, BUDGET_STOP),
     # The legacy trainer's tree path (a leaf row per session, stand-in rows that train nothing) with a
     # tree that forks at cutpoints: its unused slots are the stand-ins. Resumed: the legacy trainer's own
     # checkpoint loading.
@@ -196,12 +194,20 @@ def _run_case(case: TrainerCase, cache: Path, work: Path) -> Case:
     return Case(first, resumed, work / "checkpoints")
 
 
-def _run_readme_command(work: Path, smollm2_folder: Path) -> Run:
+README_STEPS = 2  # of the setting's 4: each SmolLM2 step costs about a minute of both cores here
+
+
+def _run_readme_command(work: Path) -> Run:
     """``bash scripts/run_spo_tree.sh`` with no settings, as the README shows it: on a machine without a
-    GPU it must pick the CPU default (SmolLM2) itself. Only the model cache is the tests' own."""
+    GPU it must pick the CPU default (SmolLM2) itself. Only the model cache (built here, in the run's
+    slot) and the number of steps are the tests' own."""
+    from spo_verl.cpu_settings import smollm2 as cpu_smollm2
+
     work.mkdir(parents=True)
+    smollm2_folder = work / "cpu-smollm2"
+    cpu_smollm2.build(smollm2_folder)
     env = {k: v for k, v in os.environ.items() if k not in ("SETTING", "ALGORITHM", "VERL_FILE_LOGGER_PATH")}
-    env["SPO_SMOLLM2_CACHE"] = str(smollm2_folder)
+    env.update(SPO_SMOLLM2_CACHE=str(smollm2_folder), TOTAL_TRAINING_STEPS=str(README_STEPS))
     started = time.perf_counter()
     log = work / "readme.log"
     with open(log, "w") as out:
@@ -225,14 +231,15 @@ def _run_credit_command(work: Path, cache: Path) -> Run:
     return Run(process.returncode, log, [], time.perf_counter() - started)
 
 
-STUDY_ALGORITHMS = ("spo_tree", "spo_tree_cutpoint")  # what --quick trains, in its order
+# The study trains SPO-tree (killed, resumed) and then SPO-chain: its runs are the v1 trainer's cases of both.
+STUDY_ALGORITHMS = ("spo_tree", "spo_chain")
 
 
 @dataclass
 class Study:
     """``scripts/compare.sh --quick`` stopped after its first checkpoint, run again for SPO-tree alone with a
     sampled validation (it resumes, finishes, and validates the final policy by sampling), and run a
-    third time (it skips the finished run and trains the cutpoint tree)."""
+    third time (it skips the finished run and trains SPO-chain)."""
 
     killed: Run
     resumed: Run
@@ -247,14 +254,14 @@ def _run_study(work: Path, cache: Path) -> Study:
     env = {k: v for k, v in os.environ.items() if k not in ("SETTING", "ALGORITHM", "VERL_FILE_LOGGER_PATH")}
     env["SPO_CPU_CACHE"] = str(cache)
     # The study's runs are the v1 trainer's SPO-tree cases too: the per-row check of each process's first update.
-    command = ["bash", "scripts/compare.sh", "--quick", "--max-steps", "3", "--val-every", "1", "--output-dir", str(work),
-               "--", *CHECK]
+    command = ["bash", "scripts/compare.sh", "--quick", "--algorithms", ",".join(STUDY_ALGORITHMS), "--max-steps", "3",
+               "--val-every", "1", "--output-dir", str(work), "--", *CHECK]
     # The second time only SPO-tree, finished and then validated by sampling; the third time both (the
-    # finished one skipped, the cutpoint tree trained).
-    resume_tree = [*command[:3], "--algorithms", "spo_tree", "--sampled-validation", "2", *command[3:]]
-    tree, cutpoint = (work / algorithm / "seed0" for algorithm in STUDY_ALGORITHMS)
+    # finished one skipped, SPO-chain trained).
+    resume_tree = [*command[:3], "--algorithms", "spo_tree", "--sampled-validation", "2", *command[5:]]
+    tree, chain = (work / algorithm / "seed0" for algorithm in STUDY_ALGORITHMS)
     marker = tree / "checkpoints" / "latest_checkpointed_iteration.txt"
-    trained = ([tree / "metrics-attempt1.jsonl"], [tree / "metrics-attempt2.jsonl"], [cutpoint / "metrics-attempt1.jsonl"])
+    trained = ([tree / "metrics-attempt1.jsonl"], [tree / "metrics-attempt2.jsonl"], [chain / "metrics-attempt1.jsonl"])
     runs = []
     for attempt, attempt_command in enumerate((command, resume_tree, command)):
         log = work.parent / f"study-{attempt}.log"
@@ -304,7 +311,7 @@ def _in_slots(slots: RunSlots, wanted: int, run, *args):
 
 
 @pytest.fixture(scope="module")
-def runs(request, tmp_path_factory, smollm2_cache, run_times):
+def runs(request, tmp_path_factory, run_times):
     failed = request.session.testsfailed
     if failed and not os.environ.get("SPO_E2E_AFTER_FAILURES"):
         pytest.fail(f"end-to-end runs not started: {failed} earlier test(s) failed; fix them first "
@@ -316,7 +323,7 @@ def runs(request, tmp_path_factory, smollm2_cache, run_times):
     with ThreadPoolExecutor(max_workers=PARALLEL_RUNS) as pool:
         # The longest runs first, so they start at once and the short ones fill the slots around them.
         study = pool.submit(_in_slots, slots, 1, _run_study, work / "study", cache)
-        readme = pool.submit(_in_slots, slots, 2, _run_readme_command, work / "readme", smollm2_cache["folder"])
+        readme = pool.submit(_in_slots, slots, 2, _run_readme_command, work / "readme")
         credit = pool.submit(_in_slots, slots, 1, _run_credit_command, work / "credit", cache)
         futures = {case.id: pool.submit(_in_slots, slots, 1, _run_case, case, cache, work / case.id) for case in CASES}
         results = {case_id: future.result() for case_id, future in futures.items()}
@@ -494,12 +501,13 @@ def test_readme_run_script_trains_the_real_model_on_cpu(runs):
     log = run.log.read_text()
     assert "no GPU visible: training the CPU default (SETTING=cpu-smollm2" in log
     assert "checkpoints -> checkpoints/spo/cpu-smollm2-spo_tree" in log
-    # The summary the script ends with: a header and one line per step (4 steps by default).
+    # The summary the script ends with: a header and one line per step.
     summary = [line for line in log.splitlines() if line.startswith("spo: ")]
     header = next(i for i, line in enumerate(summary) if line.split()[1:3] == ["step", "score"])
-    assert [line.split()[1] for line in summary[header + 1 :]] == ["1", "2", "3", "4"]
+    numbers = list(range(1, README_STEPS + 1))
+    assert [line.split()[1] for line in summary[header + 1 :]] == [str(step) for step in numbers]
     steps = run.steps()
-    assert sorted(steps) == [1, 2, 3, 4]
+    assert sorted(steps) == numbers
     assert any("actor/pg_loss" in data for data in steps.values()), "no step updated the actor"
     for step, data in steps.items():
         _assert_actor_updated_or_had_nothing_to_train(step, data)
@@ -512,7 +520,7 @@ def test_readme_run_script_trains_the_real_model_on_cpu(runs):
         # Where the blame went, every leaf counted: the setting's task has a step checker.
         answers = sum(data[f"spo/credit/{kind}"] for kind in ("right_answers", "wrong_answers_placed", "wrong_answers_not_placed"))
         assert answers == data["spo/tree/leaves_per_tree"] * data["spo/tree/trees"], step
-    assert VALIDATION_KEY in steps[2] and VALIDATION_KEY in steps[4]
+    assert VALIDATION_KEY in steps[README_STEPS]  # every 2 steps
 
 
 def test_study_resumes_a_killed_run_and_skips_a_finished_one(runs):
@@ -562,13 +570,13 @@ def test_study_resumes_a_killed_run_and_skips_a_finished_one(runs):
                 if (m := re.match(r"compare: spo_tree/seed0 +step +(\d+)", line))}
     assert progress == set(second)
     assert "compare: spo_tree/seed0: done:" in resumed_log
-    # A third time, both algorithms: the finished run skipped, the tree that forks at cutpoints trained.
+    # A third time, both algorithms: the finished run skipped, SPO-chain trained.
     assert study.again.returncode == 0, study.again.failure()
     again_log = study.again.log.read_text()
     assert "compare: spo_tree/seed0: finished earlier, skipped" in again_log
-    assert "compare: spo_tree_cutpoint/seed0: done:" in again_log
-    cutpoint = json.loads((study.folder("spo_tree_cutpoint") / "done.json").read_text())
-    assert cutpoint["steps"] >= 1 and cutpoint["generated_tokens"] > 0 and "final_sampled_accuracy" not in cutpoint
+    assert "compare: spo_chain/seed0: done:" in again_log
+    chain = json.loads((study.folder("spo_chain") / "done.json").read_text())
+    assert chain["steps"] >= 1 and chain["generated_tokens"] > 0 and "final_sampled_accuracy" not in chain
     report = study.output / "report"
     for name in ("accuracy_vs_step.png", "accuracy_vs_generated_tokens.png", "accuracy_vs_wall_time.png",
                  "reward_vs_step.png", "reward_vs_generated_tokens.png", "reward_vs_wall_time.png", "results.csv",
@@ -628,7 +636,7 @@ def test_the_credit_command_measures_tree_chain_and_grpo_on_the_same_responses(r
 
 @pytest.mark.parametrize("algorithm", STUDY_ALGORITHMS)
 def test_the_studys_runs_train_on_the_v1_trainer(runs, algorithm):
-    """The study's runs are the v1 trainer's SPO-tree and cutpoint-tree cases: each trainer process
+    """The study's runs are the v1 trainer's SPO-tree and SPO-chain cases: each trainer process
     (the killed attempt and the resumed one) packed its updates and checked its first one per row,
     every step validated (``--val-every 1``)."""
     folder = runs["study"].folder(algorithm)
