@@ -11,6 +11,8 @@ set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo_root"
 
+gpu_settings=(math-r1-1.5b gsm8k-rhomath-1.1b)
+cpu_settings=(cpu-tiny cpu-smollm2)
 gpu_visible() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
 if [[ -z "${SETTING:-}" ]]; then
   if gpu_visible; then
@@ -22,20 +24,45 @@ if [[ -z "${SETTING:-}" ]]; then
     echo "spo: set SETTING=cpu-tiny for a tiny local model, or SETTING=$CLUSTER_SETTING for the cluster setting."
   fi
 fi
+if [[ " ${gpu_settings[*]} ${cpu_settings[*]} " != *" $SETTING "* ]]; then
+  echo "spo_launch: unknown SETTING=$SETTING (allowed: ${gpu_settings[*]} ${cpu_settings[*]})" >&2
+  exit 2
+fi
+on_gpus=1
+[[ " ${cpu_settings[*]} " == *" $SETTING "* ]] && on_gpus=0
+# Hydra's --cfg, --help and --info print and start nothing: no GPU needed to compose a GPU setting.
+composes_only=0
+for argument in "$@"; do
+  case "$argument" in --cfg|--cfg=*|--help|-h|--info|--info=*) composes_only=1 ;; esac
+done
 
-# The Python environment that has verl installed: the set-up script's .venv when there is one.
+# The Python environment that has verl installed. The set-up script's .venv is the CPU stack: the CPU
+# settings and offline composition use it when there is one; a GPU run uses the cluster's python3
+# unless PYTHON names another, and stops here, before Ray, if that Python cannot reach a GPU.
 default_python=python3
-[[ -x "$repo_root/.venv/bin/python" ]] && default_python="$repo_root/.venv/bin/python"
+if [[ -x "$repo_root/.venv/bin/python" && ( "$on_gpus" == 0 || "$composes_only" == 1 ) ]]; then
+  default_python="$repo_root/.venv/bin/python"
+fi
 PYTHON="${PYTHON:-$default_python}"
+if [[ "$on_gpus" == 1 && "$composes_only" == 0 ]]; then
+  if ! command -v "$PYTHON" >/dev/null 2>&1; then
+    echo "spo: SETTING=$SETTING trains on GPUs with PYTHON=$PYTHON, which is not found; set PYTHON to the cluster's Python" >&2
+    exit 2
+  fi
+  "$PYTHON" "$repo_root/spo_verl/gpu_environment.py" "$SETTING" || exit 2
+fi
 NNODES="${NNODES:-1}"
 GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
 DATA_DIR="${DATA_DIR:-$HOME/data/spo}"            # written by scripts/prepare_data.sh
 PROJECT_NAME="${PROJECT_NAME:-spo}"
 EXPERIMENT_NAME="${EXPERIMENT_NAME:-${SETTING}-${ALGORITHM}}"
-CHECKPOINT_DIR="${CHECKPOINT_DIR:-checkpoints/${PROJECT_NAME}/${EXPERIMENT_NAME}}"
-export TENSORBOARD_DIR="${TENSORBOARD_DIR:-tensorboard_log/${PROJECT_NAME}/${EXPERIMENT_NAME}}"
+# Absolute paths: verl's workers on other nodes resolve a relative one against their own working
+# directory. On several nodes, put them (or the repository) on a file system every node shares.
+absolute() { [[ "$1" == /* ]] && echo "$1" || echo "$repo_root/$1"; }
+CHECKPOINT_DIR="$(absolute "${CHECKPOINT_DIR:-checkpoints/${PROJECT_NAME}/${EXPERIMENT_NAME}}")"
+export TENSORBOARD_DIR="$(absolute "${TENSORBOARD_DIR:-tensorboard_log/${PROJECT_NAME}/${EXPERIMENT_NAME}}")"
 # verl's file logger: one JSON line per step, read back for the summary at the end.
-export VERL_FILE_LOGGER_PATH="${VERL_FILE_LOGGER_PATH:-logs/${PROJECT_NAME}/${EXPERIMENT_NAME}/metrics-$(date +%Y%m%d-%H%M%S).jsonl}"
+export VERL_FILE_LOGGER_PATH="$(absolute "${VERL_FILE_LOGGER_PATH:-logs/${PROJECT_NAME}/${EXPERIMENT_NAME}/metrics-$(date +%Y%m%d-%H%M%S).jsonl}")"
 mkdir -p "$(dirname "$VERL_FILE_LOGGER_PATH")"
 # Known-harmless warnings every verl process prints at import (engines this install does not use).
 export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore:torchtitan engine is not available,ignore:veomni engine is not available,ignore:automodel engine is not available,ignore:mindspeed engine is not available,ignore:megatron engine is not available}"
@@ -52,8 +79,15 @@ cluster_args=(
   actor_rollout_ref.rollout.name=vllm
   actor_rollout_ref.rollout.tensor_model_parallel_size=1
   actor_rollout_ref.rollout.gpu_memory_utilization=0.6
-  actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16
-  actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16
+  # A run of days on several nodes:
+  data.filter_overlong_prompts=true   # a longer prompt is dropped at load (verl's truncation=error would stop the run)
+  # The old-log-prob and reference passes have no gradients: micro-batches by tokens, with a budget of
+  # their own ($log_prob_tokens, per setting) rather than the actor update's smaller one.
+  actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true
+  actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true
+  trainer.max_actor_ckpt_to_keep=2    # a checkpoint is the full model and optimiser state: keep the last two
+  trainer.max_critic_ckpt_to_keep=2
+  trainer.resume_mode=auto            # a restarted job continues from its last checkpoint
 )
 
 # verl's real trainer on the CPU (spo_verl/cpu_platform/): the spo_cpu platform, logical Ray GPUs, the
@@ -140,6 +174,9 @@ case "$SETTING" in
       # The reference loss whitens per micro-batch: at least two rows (the reference: two edges).
       actor_rollout_ref.actor.use_dynamic_bsz=true
       actor_rollout_ref.actor.ppo_max_token_len_per_gpu=$((2 * (512 + max_response_length)))
+      # About 7 sequences of 2.4K tokens a forward; the logits of a 152K vocabulary bound it (~10 GB in fp32).
+      actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=16384
+      actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=16384
       actor_rollout_ref.rollout.temperature=0.6
       actor_rollout_ref.rollout.top_p=1.0
       actor_rollout_ref.rollout.val_kwargs.temperature=0.6
@@ -168,6 +205,9 @@ case "$SETTING" in
       "${cluster_args[@]}"
       "${micro_batches[@]}"
       data.train_batch_size=64
+      # 16 sequences of 2K tokens a forward (a 32K vocabulary: ~4 GB of fp32 logits).
+      actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=32768
+      actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=32768
       data.max_prompt_length=1023
       data.max_response_length=1024
       actor_rollout_ref.rollout.temperature=0.6
@@ -247,10 +287,6 @@ case "$SETTING" in
     SAVE_FREQ="${SAVE_FREQ:-4}"
     TEST_FREQ="${TEST_FREQ:-2}"
     ;;
-  *)
-    echo "spo_launch: unknown SETTING=$SETTING (allowed: math-r1-1.5b, gsm8k-rhomath-1.1b, cpu-tiny, cpu-smollm2)" >&2
-    exit 2
-    ;;
 esac
 
 # Lines known to be harmless on a CPU machine, printed by every step or every process; hidden from
@@ -275,6 +311,8 @@ step_args=()
 echo "spo: algorithm=$ALGORITHM setting=$SETTING model=$MODEL_PATH nodes=$NNODES gpus/node=$GPUS_PER_NODE"
 echo "spo: logs -> console, tensorboard at $TENSORBOARD_DIR and $VERL_FILE_LOGGER_PATH; checkpoints -> $CHECKPOINT_DIR"
 
+# The two paths go to every Ray worker through verl's runtime_env: workers that `ray start` began on
+# other nodes do not see this shell's exports (verl forwards only its own variables).
 command=(
   "$PYTHON" -m recipe.spo.main_spo
   spo_algorithm="$ALGORITHM" \
@@ -288,6 +326,8 @@ command=(
   trainer.experiment_name="$EXPERIMENT_NAME" \
   trainer.default_local_dir="$CHECKPOINT_DIR" \
   'trainer.logger=["console","tensorboard","file"]' \
+  "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH=$VERL_FILE_LOGGER_PATH" \
+  "+ray_kwargs.ray_init.runtime_env.env_vars.TENSORBOARD_DIR=$TENSORBOARD_DIR" \
   trainer.total_epochs="${TOTAL_EPOCHS:-10}" \
   trainer.save_freq="${SAVE_FREQ:-50}" \
   trainer.test_freq="${TEST_FREQ:-10}" \

@@ -500,7 +500,7 @@ def test_readme_run_script_trains_the_real_model_on_cpu(runs):
     assert run.returncode == 0, run.failure()
     log = run.log.read_text()
     assert "no GPU visible: training the CPU default (SETTING=cpu-smollm2" in log
-    assert "checkpoints -> checkpoints/spo/cpu-smollm2-spo_tree" in log
+    assert f"checkpoints -> {REPO}/checkpoints/spo/cpu-smollm2-spo_tree" in log
     # The summary the script ends with: a header and one line per step.
     summary = [line for line in log.splitlines() if line.startswith("spo: ")]
     header = next(i for i, line in enumerate(summary) if line.split()[1:3] == ["step", "score"])

@@ -153,18 +153,49 @@ def test_segments_shorter_than_a_cache_block_are_warned_about_at_configuration_t
         assert len(messages) == 1 and re.search(warning, messages[0]), messages
 
 
-def run_script(script, *args, **env):
-    environment = {**os.environ, "PYTHON": sys.executable, **env}
+def run_script(script, *args, python=sys.executable, **env):
+    """A run script in a clean working directory; ``python=None`` leaves the launcher to choose."""
+    environment = {**os.environ, **env}
+    environment.pop("PYTHON", None)
+    if python is not None:
+        environment["PYTHON"] = python
     return subprocess.run(["bash", str(REPO / "scripts" / script), *args], env=environment, capture_output=True,
                           text=True, timeout=300, cwd="/")
+
+
+def a_cluster_python3_that_must_not_run(folder: Path) -> str:
+    """A ``python3`` first on PATH that fails loudly: composing a GPU setting offline must use the
+    set-up script's .venv, and only a GPU run the cluster's Python."""
+    shim = folder / "python3"
+    shim.write_text("#!/bin/sh\necho \"cluster python3 ran: $*\" >&2\nexit 7\n")
+    shim.chmod(0o755)
+    return f"{folder}:{os.environ['PATH']}"
+
+
+def assert_set_for_a_long_cluster_run(printed: str) -> None:
+    """What a run of days on several nodes needs, in a printed ``--cfg job`` configuration."""
+    config = OmegaConf.create("\n".join(config_lines(printed)))
+    assert config.data.filter_overlong_prompts is True
+    actor = config.actor_rollout_ref.actor
+    longest = config.data.max_prompt_length + config.data.max_response_length
+    update_budget = actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else actor.ppo_micro_batch_size_per_gpu * longest
+    for role in ("rollout", "ref"):
+        passes = config.actor_rollout_ref[role]
+        assert passes.log_prob_use_dynamic_bsz is True, role
+        assert passes.log_prob_max_token_len_per_gpu > update_budget, role  # no gradients: a larger budget
+    assert config.trainer.max_actor_ckpt_to_keep == 2 and config.trainer.resume_mode == "auto"
+    paths = [config.trainer.default_local_dir, *config.ray_kwargs.ray_init.runtime_env.env_vars.values()]
+    assert set(config.ray_kwargs.ray_init.runtime_env.env_vars) == {"VERL_FILE_LOGGER_PATH", "TENSORBOARD_DIR"}
+    assert all(path.startswith(str(REPO) + "/") for path in paths), paths
 
 
 def config_lines(output):
     return [line for line in output.splitlines() if not line.startswith("spo: ")]
 
 
-def test_run_spo_tree_cfg_job_shows_the_algorithm_and_starts_nothing():
-    result = run_script("run_spo_tree.sh", "--cfg", "job", SETTING="math-r1-1.5b")
+def test_run_spo_tree_cfg_job_shows_the_algorithm_and_starts_nothing(tmp_path):
+    result = run_script("run_spo_tree.sh", "--cfg", "job", python=None, SETTING="math-r1-1.5b",
+                        PATH=a_cluster_python3_that_must_not_run(tmp_path))
     assert result.returncode == 0, result.stderr[-2000:]
     out = result.stdout
     assert "adv_estimator: spo_tree" in out
@@ -172,8 +203,10 @@ def test_run_spo_tree_cfg_job_shows_the_algorithm_and_starts_nothing():
     assert "loss_mode: spo_prob_mask" in out
     assert "_target_: spo_verl.policy_loss.SPOPolicyLossConfig" in out
     assert "branching:\n      - 6\n      - 6\n      - 6" in out
-    assert re.search(r"logs -> console, tensorboard at \S+ and \S+\.jsonl; checkpoints -> checkpoints/spo/math-r1-1.5b-spo_tree", out)
+    assert re.search(r"logs -> console, tensorboard at /\S+ and /\S+\.jsonl; checkpoints -> "
+                     + re.escape(f"{REPO}/checkpoints/spo/math-r1-1.5b-spo_tree"), out)
     assert "Started a local Ray instance" not in result.stderr
+    assert_set_for_a_long_cluster_run(out)
 
 
 def _flat(printed_lines: list[str]) -> dict[str, object]:
@@ -192,8 +225,9 @@ def _flat(printed_lines: list[str]) -> dict[str, object]:
 
 
 def test_grpo_differs_from_spo_tree_only_in_the_algorithm_parts():
-    tree = _flat(config_lines(run_script("run_spo_tree.sh", "--cfg", "job", EXPERIMENT_NAME="same", SETTING="math-r1-1.5b").stdout))
-    grpo = _flat(config_lines(run_script("run_grpo.sh", "--cfg", "job", EXPERIMENT_NAME="same", SETTING="math-r1-1.5b").stdout))
+    same = dict(EXPERIMENT_NAME="same", VERL_FILE_LOGGER_PATH="/tmp/same.jsonl", SETTING="math-r1-1.5b")
+    tree = _flat(config_lines(run_script("run_spo_tree.sh", "--cfg", "job", **same).stdout))
+    grpo = _flat(config_lines(run_script("run_grpo.sh", "--cfg", "job", **same).stdout))
     assert len(grpo) > 500
     differing = {key: (tree.get(key), grpo.get(key)) for key in tree.keys() | grpo.keys() if tree.get(key) != grpo.get(key)}
     assert differing == {
@@ -368,16 +402,17 @@ def test_a_refusal_is_one_line_and_status_2_unless_spo_debug_is_set(capsys, monk
         validate_or_exit(compose_recipe("algorithm.adv_estimator=grp"))
 
 
-def test_run_spo_chain_cfg_job_shows_the_papers_gsm8k_setting():
-    result = run_script("run_spo_chain.sh", "algorithm.spo.chain.cutpoint_interval=2", "--cfg", "job",
-                        SETTING="gsm8k-rhomath-1.1b")
+def test_run_spo_chain_cfg_job_shows_the_papers_gsm8k_setting(tmp_path):
+    result = run_script("run_spo_chain.sh", "algorithm.spo.chain.cutpoint_interval=2", "--cfg", "job", python=None,
+                        SETTING="gsm8k-rhomath-1.1b", PATH=a_cluster_python3_that_must_not_run(tmp_path))
     assert result.returncode == 0, result.stderr[-2000:]
     out = result.stdout
     for line in ["adv_estimator: spo_chain", "default_agent_loop: spo_chain", "loss_mode: spo_prob_mask",
                  "cutpoint_interval: 2", "mc_samples: 9", "temperature: 0.6", "top_p: 0.9", "ppo_epochs: 2",
                  "train_batch_size: 64", "max_response_length: 1024"]:
         assert line in out, line
-    assert "checkpoints -> checkpoints/spo/gsm8k-rhomath-1.1b-spo_chain" in out
+    assert f"checkpoints -> {REPO}/checkpoints/spo/gsm8k-rhomath-1.1b-spo_chain" in out
+    assert_set_for_a_long_cluster_run(out)
 
 
 def test_a_run_whose_ray_timed_out_starting_is_started_once_more(capsys):
