@@ -168,6 +168,7 @@ case "$SETTING" in
     max_response_length="${MAX_RESPONSE_LENGTH:-1900}"
     setting_args=(
       "${cluster_args[@]}"
+      prompt_format=r1_math                        # the reference's prompt (recipe/spo/config/prompt_format/)
       data.train_batch_size=32                     # prompts per iteration
       data.max_prompt_length=512
       data.max_response_length="$max_response_length"
@@ -187,6 +188,7 @@ case "$SETTING" in
       actor_rollout_ref.actor.ppo_mini_batch_size=8  # prompts: 4 optimizer steps per iteration (512/128 in the paper)
       actor_rollout_ref.actor.ppo_epochs=1
     )
+    TOTAL_TRAINING_STEPS="${TOTAL_TRAINING_STEPS:-1000}"  # the reference's iterations; the schedule spans them
     ;;
   gsm8k-rhomath-1.1b)
     # RhoMath-1.1B (SFT) on GSM8K.
@@ -204,6 +206,7 @@ case "$SETTING" in
     setting_args=(
       "${cluster_args[@]}"
       "${micro_batches[@]}"
+      prompt_format=rho_math_task                  # the text the SFT model was tuned on (recipe/spo/config/prompt_format/)
       data.train_batch_size=64
       # 16 sequences of 2K tokens a forward (a 32K vocabulary: ~4 GB of fp32 logits).
       actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=32768
@@ -221,6 +224,7 @@ case "$SETTING" in
       actor_rollout_ref.actor.ppo_mini_batch_size=8  # 64 sequences of 8 samples: 8 optimizer steps per epoch
       actor_rollout_ref.actor.ppo_epochs=2
     )
+    TOTAL_TRAINING_STEPS="${TOTAL_TRAINING_STEPS:-1000}"  # the reference's iterations; the schedule spans them
     ;;
   cpu-tiny)
     # The embedded CPU default: a tiny Qwen2 and "What is a + b?" problems (spo_verl/cpu_settings/tiny.py).

@@ -82,6 +82,7 @@ def _expected(data_source, question, instruction, ground_truth, split, index, ra
     row = {
         "data_source": data_source,
         "prompt": [{"role": "user", "content": question + " " + instruction}],
+        "bare_prompt": [{"role": "user", "content": question}],
         "ability": "math",
         "reward_model": {"style": "rule", "ground_truth": ground_truth},
         "extra_info": {"split": split, "index": index, "question": question, "answer": raw_answer},
@@ -93,7 +94,7 @@ def _expected(data_source, question, instruction, ground_truth, split, index, ra
 
 def _plain(row: dict) -> dict:
     """pandas gives the prompt list back as a numpy array; compare as plain lists."""
-    return {**row, "prompt": [dict(message) for message in row["prompt"]]}
+    return {**row, **{key: [dict(message) for message in row[key]] for key in ("prompt", "bare_prompt")}}
 
 
 def _expected_files(agent_name=None):
@@ -138,7 +139,7 @@ def test_all_datasets_exact_rows(raw_dir, tmp_path, capsys, agent_name):
     assert written == sorted(expected)
     for rel, rows in expected.items():
         frame = pd.read_parquet(out / rel)
-        columns = ["data_source", "prompt", "ability", "reward_model", "extra_info"]
+        columns = ["data_source", "prompt", "bare_prompt", "ability", "reward_model", "extra_info"]
         if agent_name and rel.endswith("test.parquet"):
             columns.append("agent_name")  # validation rows only
         assert list(frame.columns) == columns, rel

@@ -172,6 +172,15 @@ def a_cluster_python3_that_must_not_run(folder: Path) -> str:
     return f"{folder}:{os.environ['PATH']}"
 
 
+def assert_prompt_format(printed: str, name: str) -> None:
+    """The setting writes its prompts as ``recipe/spo/config/prompt_format/<name>.yaml`` says (its text
+    against the reference's: tests/test_prompt_formats_on_cpu.py)."""
+    config = OmegaConf.create("\n".join(config_lines(printed)))
+    expected = OmegaConf.load(Path(RECIPE_CONFIG) / "prompt_format" / f"{name}.yaml")
+    assert config.data.prompt_key == expected.data.prompt_key == "bare_prompt"
+    assert config.actor_rollout_ref.model.custom_chat_template == expected.actor_rollout_ref.model.custom_chat_template
+
+
 def assert_set_for_a_long_cluster_run(printed: str) -> None:
     """What a run of days on several nodes needs, in a printed ``--cfg job`` configuration."""
     config = OmegaConf.create("\n".join(config_lines(printed)))
@@ -184,6 +193,7 @@ def assert_set_for_a_long_cluster_run(printed: str) -> None:
         assert passes.log_prob_use_dynamic_bsz is True, role
         assert passes.log_prob_max_token_len_per_gpu > update_budget, role  # no gradients: a larger budget
     assert config.trainer.max_actor_ckpt_to_keep == 2 and config.trainer.resume_mode == "auto"
+    assert config.trainer.total_training_steps == 1000  # the reference's iterations: the schedule spans them
     paths = [config.trainer.default_local_dir, *config.ray_kwargs.ray_init.runtime_env.env_vars.values()]
     assert set(config.ray_kwargs.ray_init.runtime_env.env_vars) == {"VERL_FILE_LOGGER_PATH", "TENSORBOARD_DIR"}
     assert all(path.startswith(str(REPO) + "/") for path in paths), paths
@@ -207,6 +217,7 @@ def test_run_spo_tree_cfg_job_shows_the_algorithm_and_starts_nothing(tmp_path):
                      + re.escape(f"{REPO}/checkpoints/spo/math-r1-1.5b-spo_tree"), out)
     assert "Started a local Ray instance" not in result.stderr
     assert_set_for_a_long_cluster_run(out)
+    assert_prompt_format(out, "r1_math")
 
 
 def _flat(printed_lines: list[str]) -> dict[str, object]:
@@ -413,6 +424,7 @@ def test_run_spo_chain_cfg_job_shows_the_papers_gsm8k_setting(tmp_path):
         assert line in out, line
     assert f"checkpoints -> {REPO}/checkpoints/spo/gsm8k-rhomath-1.1b-spo_chain" in out
     assert_set_for_a_long_cluster_run(out)
+    assert_prompt_format(out, "rho_math_task")
 
 
 def test_a_run_whose_ray_timed_out_starting_is_started_once_more(capsys):

@@ -6,6 +6,9 @@ Every row has the schema that verl's own preprocessors (``examples/data_preproce
 * ``data_source``: the key ``verl.utils.reward_score.default_compute_score`` dispatches on, so verl's
   default reward path scores the row with no custom reward function (see ``DATASETS``);
 * ``prompt``: ``[{"role": "user", "content": <problem> + " " + <instruction>}]``;
+* ``bare_prompt``: ``[{"role": "user", "content": <problem>}]``: the problem alone, for the settings whose
+  chat template writes the SPO reference's prompt around it (``data.prompt_key=bare_prompt``, the
+  recipe's ``prompt_format`` configs);
 * ``ability``: ``"math"``;
 * ``reward_model``: ``{"style": "rule", "ground_truth": <final answer>}``;
 * ``extra_info``: ``{"split", "index", "question", "answer"}``: the output split, the record's position
@@ -197,6 +200,7 @@ def make_row(
     row: dict[str, Any] = {
         "data_source": data_source,
         "prompt": [{"role": "user", "content": question + " " + instruction}],
+        "bare_prompt": [{"role": "user", "content": question}],
         "ability": "math",
         "reward_model": {"style": "rule", "ground_truth": ground_truth},
         "extra_info": {"split": split, "index": index, "question": question, "answer": raw_answer},
