@@ -4,7 +4,7 @@ every (algorithm, seed) its own verl run to the same budget of generated tokens,
     bash scripts/compare.sh [--setting cpu-smollm2] [--algorithms spo_tree,grpo] [--seeds 0,1,2]
                             [--token-budget 8000] [--lr 1e-5 | --lr spo_tree=1e-5,grpo=5e-6] [--prompts-per-step 8]
                             [--val-every 5] [--max-steps 30] [--task add_sub] [--validate-on test|tune]
-                            [--sampled-validation 4] [--output-dir outputs/study] [--quick] [-- HYDRA_OVERRIDES...]
+                            [--sampled-validation 4] [--output-dir outputs/study-<setting>] [--quick] [-- HYDRA_OVERRIDES...]
 
 Each run is the project's run script (``scripts/spo_launch.sh``) with the study's setting, in its own
 folder ``<output-dir>/<algorithm>/seed<k>/``. Running the command again skips finished runs (their

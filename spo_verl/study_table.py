@@ -1,7 +1,7 @@
 """The study's final table with both sources of uncertainty: the seeds (runs differ in their data
 order and their samples) and the held-out problems (a finite set, the same for every run).
 
-    python -m spo_verl.study_table --output-dir outputs/study [--reference grpo]
+    python -m spo_verl.study_table --output-dir outputs/study-cpu-smollm2 [--reference grpo]
 
 Reads each run's validation dumps (``<algorithm>/seed<k>/validation/<step>.jsonl``: one line per
 held-out answer with its ``input`` and ``score``; the study keeps them) and prints, per algorithm:
