@@ -455,3 +455,22 @@ def test_a_run_whose_ray_timed_out_starting_is_started_once_more(capsys):
     with pytest.raises(ValueError, match="another failure"):
         run_with_one_restart(another_failure, "config", "runner")
     assert len(calls) == 1
+
+
+def test_the_gsm8k_grpo_and_the_4k_stage_scripts_compose_their_setups(tmp_path):
+    grpo = run_script("run_grpo_gsm8k.sh", "--cfg", "job", python=None, PATH=a_cluster_python3_that_must_not_run(tmp_path))
+    assert grpo.returncode == 0, grpo.stderr[-2000:]
+    config = OmegaConf.create("\n".join(config_lines(grpo.stdout)))
+    assert config.algorithm.adv_estimator == "grpo" and config.actor_rollout_ref.model.path == "realtreetune/rho-1b-sft-GSM8K"
+    assert config.data.train_batch_size == 64 and config.actor_rollout_ref.rollout.n == 8
+    assert_prompt_format(grpo.stdout, "rho_math_task")
+
+    refused = run_script("run_spo_tree_math_4k.sh", "--cfg", "job")
+    assert refused.returncode == 2 and "set MODEL_PATH to the 2K stage's model" in refused.stderr
+    stage = run_script("run_spo_tree_math_4k.sh", "--cfg", "job", MODEL_PATH="/shared/models/spo-tree-2k")
+    assert stage.returncode == 0, stage.stderr[-2000:]
+    config = OmegaConf.create("\n".join(config_lines(stage.stdout)))
+    assert config.actor_rollout_ref.model.path == "/shared/models/spo-tree-2k"
+    assert config.data.max_response_length == 3950 and config.algorithm.adv_estimator == "spo_tree"
+    assert config.trainer.experiment_name == "math-r1-1.5b-spo_tree-4k"
+    assert_set_for_a_long_cluster_run(stage.stdout)
