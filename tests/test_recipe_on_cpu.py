@@ -458,6 +458,9 @@ def test_a_run_whose_ray_timed_out_starting_is_started_once_more(capsys):
 
 
 def test_the_gsm8k_grpo_and_the_4k_stage_scripts_compose_their_setups(tmp_path):
+    # A GPU node: nvidia-smi lists a GPU, so the script's own cluster setting is taken.
+    (tmp_path / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3'\n")
+    (tmp_path / "nvidia-smi").chmod(0o755)
     grpo = run_script("run_grpo_gsm8k.sh", "--cfg", "job", python=None, PATH=a_cluster_python3_that_must_not_run(tmp_path))
     assert grpo.returncode == 0, grpo.stderr[-2000:]
     config = OmegaConf.create("\n".join(config_lines(grpo.stdout)))
