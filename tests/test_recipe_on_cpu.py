@@ -392,6 +392,19 @@ def test_a_mistyped_loss_mode_stops_the_run_script_with_one_line_before_ray(cpu_
     assert seconds < 60, seconds
 
 
+def test_another_verl_is_named_with_the_list_of_internals_to_check(capsys):
+    import verl
+
+    from recipe.spo.main_spo import VERL_WRITTEN_FOR, warn_if_another_verl
+
+    assert verl.__version__ == VERL_WRITTEN_FOR and not warn_if_another_verl()  # the installed verl: silent
+    assert capsys.readouterr().err == ""
+    assert warn_if_another_verl("0.10.0")
+    assert capsys.readouterr().err == ("spo: warning: verl 0.10.0 is installed, spo-verl was written for verl 0.9.1; the "
+                                       "verl internals it relies on are listed in docs/VERL_SURFACE.md: check them "
+                                       "before trusting a run\n")
+
+
 def test_a_refusal_is_one_line_and_status_2_unless_spo_debug_is_set(capsys, monkeypatch):
     from recipe.spo.main_spo import validate_or_exit
 

@@ -13,6 +13,7 @@ import os
 import sys
 
 import hydra
+import verl
 from omegaconf.errors import OmegaConfBaseException
 from verl.trainer.main_ppo import run_ppo
 from verl.trainer.ppo.utils import need_critic, need_reference_policy
@@ -24,6 +25,18 @@ from spo_verl.trainer.validation import validate_spo_run
 
 REFUSED_EXIT_STATUS = 2  # as the launcher's unknown SETTING: the run was refused, nothing started
 DEBUG_VARIABLE = "SPO_DEBUG"
+VERL_WRITTEN_FOR = "0.9.1"  # the verl whose internals docs/VERL_SURFACE.md lists (pyproject pins it)
+
+
+def warn_if_another_verl(version: str = verl.__version__) -> bool:
+    """Say so when the installed verl is not the one the plugin's overrides and workarounds were written
+    for: pip's pin can be bypassed (``--no-deps``, a verl checkout), and most of those would fail silently."""
+    if version == VERL_WRITTEN_FOR:
+        return False
+    print(f"spo: warning: verl {version} is installed, spo-verl was written for verl {VERL_WRITTEN_FOR}; the verl "
+          "internals it relies on are listed in docs/VERL_SURFACE.md: check them before trusting a run",
+          file=sys.stderr, flush=True)
+    return True
 
 
 def validate_or_exit(config) -> None:
@@ -50,6 +63,7 @@ def refusal_line(error: ValueError) -> str:
 
 @hydra.main(config_path="config", config_name="spo_trainer", version_base=None)
 def main(config):
+    warn_if_another_verl()
     validate_or_exit(config)
     run_with_one_restart(run_ppo, config, task_runner_for(config))
 
