@@ -172,14 +172,6 @@ class SPOSettings:
     credit_metrics: bool = False
 
 
-# Settings that moved: the old key -> where it is now.
-MOVED_SETTINGS = {
-    f"{NAMESPACE}.tree.packed_training": f"{NAMESPACE}.packed_training",
-    f"{NAMESPACE}.tree.packed_chunk_tokens": f"{NAMESPACE}.packed_chunk_tokens",
-    f"{NAMESPACE}.tree.packed_training_check": f"{NAMESPACE}.packed_training_check",
-}
-
-
 def _fail(key: str, allowed: str, value: Any) -> SPOConfigError:
     return SPOConfigError(f"{key} must be {allowed}, got {value!r}")
 
@@ -289,10 +281,6 @@ def _parse_section(cls: type, raw: Any, prefix: str) -> Any:
         raise _fail(prefix, "a mapping", raw)
     names = [f.name for f in fields(cls)]
     unknown = sorted(set(raw) - set(names))
-    moved = [f"{prefix}.{k}" for k in unknown if f"{prefix}.{k}" in MOVED_SETTINGS]
-    if moved:
-        raise SPOConfigError("; ".join(f"{key} is now {MOVED_SETTINGS[key]} (it packs every algorithm's rows, "
-                                       f"not only SPO trees)" for key in moved))
     if unknown:
         raise SPOConfigError(f"unknown setting(s) {[f'{prefix}.{k}' for k in unknown]}; {prefix} accepts {names}")
     values = {}

@@ -7,7 +7,7 @@ maths is in ``spo_verl.algorithms``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -38,20 +38,20 @@ def _padding_rows(index: Any, batch_size: int) -> np.ndarray:
     return np.array([is_padding_uid(uid) for uid in index], dtype=bool)
 
 
-def _deferred_placeholder(token_level_rewards: torch.Tensor, spo_rows: Sequence | None):
+def _deferred_placeholder(token_level_rewards: torch.Tensor):
     """Zeros while the legacy trainer defers the SPO advantage step to its actor update
     (``batch_context.advantages_at_actor_update``); None when this call is the real one."""
-    if spo_rows is None and current_spo_context() is None and advantages_deferred():
+    if current_spo_context() is None and advantages_deferred():
         zeros = torch.zeros_like(token_level_rewards)
         return zeros, zeros
     return None
 
 
-def _rows_for(estimator: str, batch_size: int, index: Any, spo_rows: Sequence | None) -> tuple[list, SPOBatchContext | None]:
+def _rows_for(estimator: str, batch_size: int, index: Any) -> tuple[list, SPOBatchContext]:
     context = current_spo_context()
-    rows = spo_rows if spo_rows is not None else (context.rows if context is not None else None)
-    if rows is None:
+    if context is None:
         raise _missing_metadata(estimator)
+    rows = context.rows
     if len(rows) != batch_size:
         raise ValueError(f"{estimator}: {len(rows)} metadata rows for a batch of {batch_size}")
     padding = _padding_rows(index, batch_size)
@@ -68,9 +68,9 @@ def _rows_for(estimator: str, batch_size: int, index: Any, spo_rows: Sequence | 
     return rows, context
 
 
-def _settings(config: Any, context: SPOBatchContext | None) -> SPOSettings:
+def _settings(config: Any, context: SPOBatchContext) -> SPOSettings:
     """The trainer's settings when it handed them over (parsed once per trainer), else ``config``'s."""
-    if context is not None and context.settings is not None:
+    if context.settings is not None:
         return context.settings
     return parse_spo_settings(config.get("spo") if config is not None else None)
 
@@ -99,7 +99,6 @@ def compute_spo_chain_advantage(
     response_mask: torch.Tensor,
     index: np.ndarray | None = None,
     config: Any = None,
-    spo_rows: Sequence[Mapping | None] | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SPO-chain: ``A_j = V_{j+1} - V_j`` broadcast to the tokens of segment j.
@@ -108,10 +107,10 @@ def compute_spo_chain_advantage(
     before each start). The reward R is the row's summed token-level reward (0 for a truncated response
     under ``algorithm.spo.truncated_response_score=zero``).
     """
-    if (placeholder := _deferred_placeholder(token_level_rewards, spo_rows)) is not None:
+    if (placeholder := _deferred_placeholder(token_level_rewards)) is not None:
         return placeholder
     batch_size, length = response_mask.shape
-    rows, context = _rows_for("spo_chain", batch_size, index, spo_rows)
+    rows, context = _rows_for("spo_chain", batch_size, index)
     settings = _settings(config, context)
     starts_of, values_of = [], []
     for b, row in enumerate(rows):
@@ -208,7 +207,6 @@ def compute_spo_tree_advantage(
     response_mask: torch.Tensor,
     index: np.ndarray | None = None,
     config: Any = None,
-    spo_rows: Sequence[Mapping | None] | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SPO-tree: leaf rewards -> node values (mean of children) -> ``V(n) - V(parent)``.
@@ -219,10 +217,10 @@ def compute_spo_tree_advantage(
     ``tree_id`` if given, else its uid. Each segment is trained by one row only; the mask of trained
     tokens is left on the batch context for the trainer to apply to the loss.
     """
-    if (placeholder := _deferred_placeholder(token_level_rewards, spo_rows)) is not None:
+    if (placeholder := _deferred_placeholder(token_level_rewards)) is not None:
         return placeholder
     batch_size, _ = response_mask.shape
-    rows, context = _rows_for("spo_tree", batch_size, index, spo_rows)
+    rows, context = _rows_for("spo_tree", batch_size, index)
     settings = _settings(config, context)
     tree_ids, paths, ends = _tree_fields(rows, index)
     _check_one_tree_per_uid(index, tree_ids)
@@ -237,9 +235,8 @@ def compute_spo_tree_advantage(
         max_trained_segments_per_tree=settings.tree.max_trained_segments_per_prompt,
         zero_untrained=True,  # untrained tokens get 0 in the same pass
     )
-    if context is not None:
-        context.trained_mask = result.trained_mask
-        context.metrics.update(_tree_advantage_metrics(result))
-        context.tree_nodes = TreeNodes(tree_ids, paths, result.node_values, result.node_advantages)
+    context.trained_mask = result.trained_mask
+    context.metrics.update(_tree_advantage_metrics(result))
+    context.tree_nodes = TreeNodes(tree_ids, paths, result.node_values, result.node_advantages)
     advantages = result.token_advantages
     return advantages, advantages

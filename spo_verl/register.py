@@ -13,8 +13,3 @@ if cpu_platform.selected():  # VERL_PLATFORM=spo_cpu: verl on a machine without 
 
 from spo_verl import estimators, policy_loss  # noqa: E402, F401  (registration happens on import)
 from spo_verl.agent_loops import chain_agent_loop, tree_agent_loop  # noqa: E402, F401
-
-from spo_verl.metadata import SPO_ALGORITHMS  # noqa: E402
-
-ADVANTAGE_ESTIMATORS = AGENT_LOOPS = SPO_ALGORITHMS
-POLICY_LOSSES = (policy_loss.LOSS_NAME,)

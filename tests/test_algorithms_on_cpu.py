@@ -10,7 +10,6 @@ from spo_verl.algorithms import (
     chain_token_advantages,
     chain_token_advantages_batched,
     cutpoint_segment_starts,
-    cutpoint_segment_starts_batched,
     delimiter_segment_starts,
     fixed_count_segment_starts,
     probability_mask,
@@ -219,15 +218,19 @@ def test_batched_chain_matches_reference_on_random_inputs():
     for b in range(batch):
         response_mask[b, rng.randint(0, length) :] = 0  # early EOS, including empty responses
     interval = 3
-    starts, counts = cutpoint_segment_starts_batched(probs.log(), response_mask, 0.9, interval)
+    row_starts_of = [cutpoint_segment_starts(probs[b, : int(response_mask[b].sum())].tolist(), 0.9, interval)
+                     for b in range(batch)]
+    counts = torch.tensor([len(row_starts) for row_starts in row_starts_of])
+    starts = torch.full((batch, int(counts.max())), length, dtype=torch.long)  # padding past every row's tokens
+    for b, row_starts in enumerate(row_starts_of):
+        starts[b, : len(row_starts)] = torch.tensor(row_starts, dtype=torch.long)
     values = torch.rand(batch, max(starts.shape[1], 1))[:, : starts.shape[1]]
     rewards = torch.tensor([rng.choice([0.0, 1.0]) for _ in range(batch)])
     batched = chain_token_advantages_batched(starts, values, counts, rewards, length)
     assert torch.isfinite(batched).all()
     for b in range(batch):
         n = int(response_mask[b].sum())
-        row_starts = cutpoint_segment_starts(probs[b, :n].tolist(), 0.9, interval)
-        assert starts[b, : counts[b]].tolist() == row_starts
+        row_starts = row_starts_of[b]
         expected = chain_token_advantages(n, row_starts, values[b, : len(row_starts)].tolist(), float(rewards[b]))
         assert batched[b, :n].tolist() == pytest.approx(expected, abs=1e-6)
     assert counts[0] == 0 and batched[0].abs().sum() == 0
@@ -238,7 +241,7 @@ def test_batched_chain_is_exactly_the_reference_in_float64():
     reference, for heads, a start at 0, single segments, rows without segments and padded columns."""
     rng = random.Random(11)
     batch, length, width = 200, 57, 9
-    starts = torch.full((batch, width), length, dtype=torch.long)  # padding as the batched cutpoints give it
+    starts = torch.full((batch, width), length, dtype=torch.long)  # padding past every row's tokens
     values = torch.zeros(batch, width, dtype=torch.float64)
     counts = torch.zeros(batch, dtype=torch.long)
     rewards = torch.tensor([rng.choice([0.0, 1.0, -2.0, 0.3]) for _ in range(batch)], dtype=torch.float64)
@@ -306,8 +309,7 @@ def test_tree_rows_token_advantages_are_exactly_the_reference():
 
 
 def test_batched_functions_accept_empty_batches():
-    starts, counts = cutpoint_segment_starts_batched(torch.zeros(0, 7), torch.zeros(0, 7))
-    assert starts.shape == (0, 0) and counts.shape == (0,)
+    starts, counts = torch.zeros(0, 0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
     out = chain_token_advantages_batched(starts, torch.zeros(0, 0), counts, torch.zeros(0), 7)
     assert out.shape == (0, 7)
     out = chain_token_advantages_batched(torch.zeros(3, 0, dtype=torch.long), torch.zeros(3, 0), torch.zeros(3), torch.ones(3), 4)

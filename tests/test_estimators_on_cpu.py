@@ -141,10 +141,11 @@ def test_invalid_settings_reach_the_user_with_the_key():
 @pytest.mark.parametrize("estimator", ["spo_chain", "spo_tree"])
 def test_empty_batch(estimator):
     fn = get_adv_estimator_fn(estimator)
-    advantages, returns = fn(
-        token_level_rewards=torch.zeros(0, 4), response_mask=torch.zeros(0, 4), index=np.array([], dtype=object),
-        config=algorithm_config(), spo_rows=[],
-    )
+    with provide_spo_rows([]):
+        advantages, returns = fn(
+            token_level_rewards=torch.zeros(0, 4), response_mask=torch.zeros(0, 4), index=np.array([], dtype=object),
+            config=algorithm_config(),
+        )
     assert advantages.shape == (0, 4) and returns.shape == (0, 4)
 
 

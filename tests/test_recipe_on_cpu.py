@@ -116,7 +116,6 @@ def test_rollout_n_follows_the_tree_shape():
          r"does not support actor_rollout_ref\.model\.lora_rank=8; turn it off"),
         (["algorithm.spo.packed_training=yes"], r"algorithm\.spo\.packed_training must be true or false"),
         (["algorithm.spo.packed_chunk_tokens=0"], r"algorithm\.spo\.packed_chunk_tokens must be a positive integer, got 0"),
-        (["+algorithm.spo.tree.packed_training=true"], r"algorithm\.spo\.tree\.packed_training is now algorithm\.spo\.packed_training"),
         # verl's bypass mode (rollout log-probs as old log-probs) would swap SPO's loss out on the legacy trainer.
         (["spo_algorithm=grpo_prob_mask", "trainer.use_v1=false", "algorithm.rollout_correction.bypass_mode=true"],
          r"bypass_mode=true on the legacy trainer \(trainer\.use_v1=false\) replaces actor_rollout_ref\.actor\.policy_loss\.loss_mode=spo_prob_mask"),

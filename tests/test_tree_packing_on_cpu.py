@@ -1,7 +1,8 @@
 """Packed SPO trees: one forward per tree is exact against the per-leaf rows.
 
-A tiny random Qwen2 (GQA: 4 query heads, 2 KV heads) runs once over the packed tree with the cascade
-attention and once per leaf row (sdpa, the rows' own causal mask). In float64 the per-row response
+A tiny random Qwen2 (GQA: 4 query heads, 2 KV heads) runs once over the packed tree (its leaf rows
+packed by their tokens, as verl's engine packs them: ``pack_sequences``) with the cascade attention
+and once per leaf row (sdpa, the rows' own causal mask). In float64 the per-row response
 log-probs agree to 1e-12 and the parameter gradients of sum(log-prob * weight) agree to 1e-10, both
 when every token is trained once (SPO's trained-segment mask from ``tree_token_advantages``) and when
 every row's tokens all count (the packed token then collects the weights of all rows through it).
@@ -31,9 +32,7 @@ from transformers.models.qwen2 import modeling_qwen2
 from spo_verl.algorithms.tree_rows import tree_token_advantages
 from spo_verl.packing import (
     build_cascade_layout,
-    pack_forest,
     pack_sequences,
-    pack_tree,
     packed_row_log_probs,
 )
 from spo_verl.packing import cascade_attention as cascade_module
@@ -109,6 +108,14 @@ def with_padding_rows(tree: Tree, rng, pads=(1, 3)):
     return padded(responses, rng), paths, ends
 
 
+def pack_rows(prompts, responses, ends, response_width=None):
+    """The rows as verl's engine packs them (:func:`pack_sequences`, by their tokens): each real row's
+    prompt and its response up to its last segment end; a padding row (None) owns no token."""
+    sequences = [[] if r is None else list(p) + list(r[: e[-1]]) for p, r, e in zip(prompts, responses, ends)]
+    prompt_lengths = [0 if r is None else len(p) for p, r in zip(prompts, responses)]
+    return pack_sequences(sequences, prompt_lengths, response_width)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Per-row reference
 
@@ -162,9 +169,9 @@ def test_pack_counts_positions_and_gather(name):
     rng = random.Random(sum(map(ord, name)))
     tree = TREES[name](rng)
     responses, paths, ends = with_padding_rows(tree, rng)
-    packed = pack_tree(tree.prompt, responses, paths, ends)
-    assert packed.num_packed_tokens == tree.unique_tokens  # each unique token exactly once
-    assert packed.num_nodes == 1 + len(tree.segments)
+    packed = pack_rows([tree.prompt] * len(responses), responses, ends)
+    rows = [tree.prompt + r[: e[-1]] for r, e in zip(tree.responses, tree.ends)]
+    assert packed.num_packed_tokens == distinct_prefixes(rows)  # each distinct prefix exactly once
     assert packed.num_row_tokens == sum(len(tree.prompt) + e[-1] for e in tree.ends)
     assert packed.response_width == max(e[-1] for e in tree.ends)
     # Parents precede children; every token's position id is its position on its own path.
@@ -184,9 +191,11 @@ def test_pack_counts_positions_and_gather(name):
         assert (packed.response_index[b, row_ends[-1] :] == -1).all()
         # The previous token on the path is the previous row position.
         assert packed.previous_position[index[1:]].tolist() == index[:-1].tolist()
-        # The leaf's ancestor chain is the row's path.
+        # The last node's ancestor chain holds exactly the row's tokens.
         leaf = int(packed.node_of_token[index[-1]])
-        assert len(packed.ancestors(leaf)) == len(path) + 1
+        chain = [packed.input_ids[packed.node_starts[k] : packed.node_starts[k] + packed.node_lengths[k]]
+                 for k in packed.ancestors(leaf)]
+        assert torch.cat(chain).tolist() == row
     gathered = packed.gather_rows(packed.input_ids, fill=-7)
     for b, (response, row_ends) in enumerate(zip(responses, ends)):
         expected = [-7] * packed.response_width if response is None else (
@@ -194,55 +203,11 @@ def test_pack_counts_positions_and_gather(name):
         assert gathered[b].tolist() == expected
 
 
-def test_pack_rejects_inconsistent_rows():
-    prompt = [1, 2, 3]
-    with pytest.raises(ValueError, match="different tokens"):
-        pack_tree(prompt, [[4, 5, 6], [4, 9, 7]], [[1, 2], [1, 3]], [[2, 3], [2, 3]])
-    with pytest.raises(ValueError, match="two different parents"):
-        pack_tree(prompt, [[4, 5], [6, 5]], [[1, 2], [3, 2]], [[1, 2], [1, 2]])
-    with pytest.raises(ValueError, match="prompt differs"):
-        pack_forest(["t", "t"], [[1], [2]], [[3], [4]], [[1], [2]], [[1], [1]])
-    with pytest.raises(ValueError, match="increasing"):
-        pack_tree(prompt, [[4, 5]], [[1, 2]], [[2, 2]])
-
-
 def test_only_padding_rows():
-    packed = pack_forest([None, None], [None, None], [None, None], [None, None], [None, None], response_width=4)
+    packed = pack_sequences([[], []], [0, 0], response_width=4)
     assert packed.num_packed_tokens == 0 and packed.num_row_tokens == 0
     lp = packed_row_log_probs(tiny_model(torch.float32), packed)
     assert lp.shape == (2, 4) and (lp == 0).all()
-
-
-def test_forest_packs_each_tree_as_its_own_unit():
-    rng = random.Random(5)
-    trees = [tree_2_2(rng), tree_3_3_early(rng), tree_one_leaf(rng)]
-    tree_ids, prompts, responses, paths, ends = [], [], [], [], []
-    for t, tree in enumerate(trees):
-        for response, path, row_ends in zip(tree.responses, tree.paths, tree.ends):
-            tree_ids.append(f"tree-{t}")
-            prompts.append(tree.prompt)
-            responses.append(response)
-            paths.append(path)  # node ids repeat across trees on purpose: keys are (tree, node)
-            ends.append(row_ends)
-        tree_ids.append(None)
-        prompts.append(None)
-        responses.append(None)
-        paths.append(None)
-        ends.append(None)
-    order = list(range(len(tree_ids)))
-    rng.shuffle(order)  # rows of different trees interleaved
-    pick = lambda xs: [xs[i] for i in order]  # noqa: E731
-    packed = pack_forest(pick(tree_ids), pick(prompts), padded(pick(responses), rng), pick(paths), pick(ends))
-    assert packed.num_trees == 3
-    assert packed.num_packed_tokens == sum(tree.unique_tokens for tree in trees)
-    spans = packed.tree_token_spans.tolist()
-    assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
-    assert spans[-1][1] == packed.num_packed_tokens
-    # Every node lies inside its tree's span, so no node attends across trees.
-    for k in range(packed.num_nodes):
-        start, stop = spans[int(packed.node_tree[k])]
-        assert start <= int(packed.node_starts[k]) < stop
-        assert all(int(packed.node_tree[a]) == int(packed.node_tree[k]) for a in packed.ancestors(k))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -260,8 +225,8 @@ def _rows_for(name, seed):
 def test_packed_log_probs_and_gradients_match_rows_float64(name, exact_rmsnorm):
     model = tiny_model(torch.float64)
     tree, responses, paths, ends = _rows_for(name, 11)
-    packed = pack_tree(tree.prompt, responses, paths, ends)
     prompts = [tree.prompt] * len(responses)
+    packed = pack_rows(prompts, responses, ends)
     packed_lp = packed_row_log_probs(model, packed, chunk_tokens=7)  # several chunks
     rows_lp = row_log_probs(model, prompts, responses, ends, packed.response_width)
     assert packed_lp.shape == rows_lp.shape
@@ -291,7 +256,7 @@ def test_packed_log_probs_and_gradients_match_rows_float64(name, exact_rmsnorm):
 def test_llama_with_a_tied_head_matches_rows_float64(exact_rmsnorm):
     model = tiny_llama(torch.float64)
     tree, responses, paths, ends = _rows_for("3-3 early EOS", 5)
-    packed = pack_tree(tree.prompt, responses, paths, ends)
+    packed = pack_rows([tree.prompt] * len(responses), responses, ends)
     packed_lp = packed_row_log_probs(model, packed, chunk_tokens=7)
     rows_lp = row_log_probs(model, [tree.prompt] * len(responses), responses, ends, packed.response_width)
     assert (packed_lp - rows_lp).abs().max().item() < 1e-12
@@ -304,20 +269,18 @@ def test_forest_and_temperature_match_rows_float64(exact_rmsnorm):
     model = tiny_model(torch.float64, seed=1)
     rng = random.Random(9)
     trees = [tree_2_2_2(rng), tree_3_3_early(rng), tree_one_leaf(rng)]
-    tree_ids, prompts, responses, paths, ends = [], [], [], [], []
-    for t, tree in enumerate(trees):
-        for response, path, row_ends in zip(tree.responses, tree.paths, tree.ends):
-            tree_ids.append(t)
+    prompts, responses, ends = [], [], []
+    for tree in trees:
+        for response, row_ends in zip(tree.responses, tree.ends):
             prompts.append(tree.prompt)
             responses.append(response)
-            paths.append(path)
             ends.append(row_ends)
-    order = list(range(len(tree_ids))) + [None, None]
-    rng.shuffle(order)
+    order = list(range(len(responses))) + [None, None]
+    rng.shuffle(order)  # rows of different trees interleaved, two padding rows among them
     pick = lambda xs: [None if i is None else xs[i] for i in order]  # noqa: E731
-    tree_ids, prompts, responses, paths, ends = map(pick, (tree_ids, prompts, responses, paths, ends))
+    prompts, responses, ends = map(pick, (prompts, responses, ends))
     responses = padded(responses, rng)
-    packed = pack_forest(tree_ids, prompts, responses, paths, ends, response_width=40)
+    packed = pack_rows(prompts, responses, ends, response_width=40)
     assert packed.response_width == 40
     packed_lp = packed_row_log_probs(model, packed, temperature=0.7)
     rows_lp = row_log_probs(model, prompts, responses, ends, 40, temperature=0.7)
@@ -330,8 +293,8 @@ def test_forest_and_temperature_match_rows_float64(exact_rmsnorm):
 def test_packed_matches_rows_float32():
     model = tiny_model(torch.float32, seed=2)
     tree, responses, paths, ends = _rows_for("2-2-2 variable", 21)
-    packed = pack_tree(tree.prompt, responses, paths, ends)
     prompts = [tree.prompt] * len(responses)
+    packed = pack_rows(prompts, responses, ends)
     packed_lp = packed_row_log_probs(model, packed)
     rows_lp = row_log_probs(model, prompts, responses, ends, packed.response_width)
     assert (packed_lp - rows_lp).abs().max().item() < 1e-5
@@ -345,8 +308,8 @@ def test_float64_gradients_without_rmsnorm_patch_are_float32_close():
     the gradients only to float32 precision."""
     model = tiny_model(torch.float64, seed=3)
     tree, responses, paths, ends = _rows_for("2-2-2 variable", 31)
-    packed = pack_tree(tree.prompt, responses, paths, ends)
     prompts = [tree.prompt] * len(responses)
+    packed = pack_rows(prompts, responses, ends)
     packed_lp = packed_row_log_probs(model, packed)
     rows_lp = row_log_probs(model, prompts, responses, ends, packed.response_width)
     assert (packed_lp - rows_lp).abs().max().item() < 1e-12
@@ -363,7 +326,7 @@ def test_cascade_never_builds_a_packed_square(monkeypatch, exact_rmsnorm):
     model = tiny_model(torch.float64, seed=4)
     rng = random.Random(13)
     tree = Tree(rng, (3, 2, 2), lambda d, r: r.randint(2, 6), early_stop={(1,)})
-    packed = pack_tree(tree.prompt, padded(tree.responses, rng), tree.paths, tree.ends)
+    packed = pack_rows([tree.prompt] * len(tree.responses), padded(tree.responses, rng), tree.ends)
     n = packed.num_packed_tokens
     pairs = {(int(q), int(k)) for q, k in zip(packed.node_lengths, packed.node_path_lengths())}
     layout = build_cascade_layout(packed)
@@ -406,8 +369,8 @@ def test_gradient_checkpointing_replays_the_cascade(exact_rmsnorm):
 
     model = tiny_model(torch.float64, seed=5)
     tree, responses, paths, ends = _rows_for("3-3 early EOS", 41)
-    packed = pack_tree(tree.prompt, responses, paths, ends)
     prompts = [tree.prompt] * len(responses)
+    packed = pack_rows(prompts, responses, ends)
     rows_lp = row_log_probs(model, prompts, responses, ends, packed.response_width)
     weights = torch.randn(rows_lp.shape, dtype=torch.float64) * (packed.response_index >= 0)
     row_grads = param_grads(model, (rows_lp * weights).sum())
@@ -486,10 +449,9 @@ def test_pack_sequences_shares_every_common_prefix_once():
         assert (packed.response_index[b, len(sequence) - prompt_length:] == -1).all()
     # A tree's rows packed by their tokens share at least what their metadata says they share.
     tree = tree_2_2(random.Random(8))
-    by_metadata = pack_tree(tree.prompt, tree.responses, tree.paths, tree.ends)
     rows = [tree.prompt + r[: e[-1]] for r, e in zip(tree.responses, tree.ends)]
     by_tokens = pack_sequences(rows, [len(tree.prompt)] * len(rows))
-    assert by_tokens.num_packed_tokens == distinct_prefixes(rows) <= by_metadata.num_packed_tokens
+    assert by_tokens.num_packed_tokens == distinct_prefixes(rows) <= tree.unique_tokens
     with pytest.raises(ValueError, match="prompt length 5 outside its 3 tokens"):
         pack_sequences([[1, 2, 3]], [5])
 

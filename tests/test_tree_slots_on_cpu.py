@@ -30,17 +30,18 @@ def build_tree(branching, stop_at):
 )
 def test_each_leaf_is_returned_by_exactly_one_slot(branching, stop_at):
     tree = build_tree(branching, stop_at)
-    returned = [tree.leaf_for_slot(slot) for slot in range(math.prod(branching))]
-    leaves = [leaf for leaf in returned if leaf is not None]
+    returned = [tree.slot_leaf(slot) for slot in range(math.prod(branching))]
+    leaves = [leaf for leaf, first in returned if first]
     assert sorted(leaves) == sorted(tree.leaves())
     assert len(set(leaves)) == len(leaves)
 
 
 def test_paths_prefixes_and_segment_ends():
     tree = build_tree((2, 2), set())
-    leaf = tree.leaf_for_slot(3)
+    leaf, first = tree.slot_leaf(3)
+    assert first
     assert tree.path(leaf) == [2, 6]
     assert tree.prefix(leaf) == ([0, 1, 1, 1], [-0.5] * 4)
     assert tree.segment_ends(leaf) == [2, 4]
     with pytest.raises(ValueError, match="outside"):
-        tree.leaf_for_slot(4)
+        tree.slot_leaf(4)

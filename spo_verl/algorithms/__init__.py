@@ -9,7 +9,6 @@ from spo_verl.algorithms.advantages import (
 )
 from spo_verl.algorithms.batched import (
     chain_token_advantages_batched,
-    cutpoint_segment_starts_batched,
     tree_advantages_batched,
     tree_values_batched,
 )
@@ -33,7 +32,6 @@ __all__ = [
     "chain_token_advantages_batched",
     "clipped_surrogate",
     "cutpoint_segment_starts",
-    "cutpoint_segment_starts_batched",
     "delimiter_segment_starts",
     "fixed_count_segment_starts",
     "k3_kl",

@@ -11,29 +11,6 @@ import torch
 from spo_verl.algorithms.advantages import STD_EPS
 
 
-def cutpoint_segment_starts_batched(
-    old_log_probs: torch.Tensor, response_mask: torch.Tensor, threshold: float = 0.9, interval: int = 5
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cutpoints of a (B, T) batch: ``(starts (B, S) long, num_segments (B,) long)``.
-
-    Row b's starts are ``starts[b, :num_segments[b]]``; the padding after them equals T.
-    """
-    if not 0.0 < threshold <= 1.0:
-        raise ValueError(f"threshold must be in (0, 1], got {threshold!r}")
-    if int(interval) != interval or interval < 1:
-        raise ValueError(f"interval must be a positive integer, got {interval!r}")
-    batch_size, length = old_log_probs.shape
-    low = response_mask.bool() & (old_log_probs.exp() < threshold)
-    rank = torch.cumsum(low.long(), dim=-1) - 1
-    selected = low & (rank % int(interval) == 0)
-    num_segments = selected.sum(dim=-1)
-    width = int(num_segments.max().item()) if batch_size else 0
-    positions = torch.arange(length, device=old_log_probs.device).expand(batch_size, length)
-    keyed = torch.where(selected, positions, torch.full_like(positions, length))
-    starts = torch.sort(keyed, dim=-1).values[:, :width]
-    return starts, num_segments
-
-
 def chain_token_advantages_batched(
     segment_starts: torch.Tensor,
     boundary_values: torch.Tensor,

@@ -18,7 +18,7 @@ from spo_verl.packing.packed_forward import (
     packed_token_log_probs,
     packed_token_scores,
 )
-from spo_verl.packing.tree_pack import PackedTree, pack_forest, pack_sequences, pack_tree
+from spo_verl.packing.tree_pack import PackedTree, pack_sequences
 
 __all__ = [
     "CASCADE_ATTENTION",
@@ -27,9 +27,7 @@ __all__ = [
     "build_cascade_layout",
     "cascade_attention_enabled",
     "cascade_attention_forward",
-    "pack_forest",
     "pack_sequences",
-    "pack_tree",
     "packed_hidden_states",
     "packed_row_log_probs",
     "packed_token_log_probs",

@@ -9,10 +9,9 @@ root-to-token path, so with attention restricted to ancestors
 (:mod:`spo_verl.packing.cascade_attention`) every packed token sees exactly the context it has in any
 row that contains it, and its hidden state equals that row's hidden state.
 
-Two builders make the same :class:`PackedTree`: :func:`pack_sequences` finds the shared prefixes in
-the tokens themselves (a radix trie over the rows; what verl's engine uses, for every algorithm), and
-:func:`pack_forest` / :func:`pack_tree` take SPO trees as described by their metadata (tree, node
-path, segment ends) and check that the rows agree with it.
+:func:`pack_sequences` finds the shared prefixes in the tokens themselves (a radix trie over the rows),
+so it needs no SPO metadata and serves every algorithm alike; verl's engine packs each micro-batch
+with it (:mod:`spo_verl.packing.verl_rows`).
 
 What a :class:`PackedTree` holds, besides the packed tokens and position ids:
 
@@ -27,19 +26,18 @@ What a :class:`PackedTree` holds, besides the packed tokens and position ids:
   anything computed per packed token (log-probs, hidden states) is gathered back into the per-row
   layout exactly.
 
-Rows without tokens own none; in :func:`pack_forest` tokens of a row's response beyond its last
-segment end are padding and are ignored; a node that is a leaf above the last depth (early EOS) is
-just a node without children. Pure Python + numpy + torch; no verl import.
+Rows without tokens own none; a row that is a prefix of another ends at a node that has
+children. Pure Python + numpy + torch; no verl import.
 """
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-__all__ = ["PackedTree", "pack_forest", "pack_sequences", "pack_tree"]
+__all__ = ["PackedTree", "pack_sequences"]
 
 
 @dataclass(frozen=True)
@@ -66,7 +64,6 @@ class PackedTree:
     row_index: torch.Tensor  # (B, W) int64 packed position of row position t (prompt then response)
     response_index: torch.Tensor  # (B, T) int64 packed position of response token t
     tree_token_spans: torch.Tensor  # (num_trees, 2) int64 [start, stop) of each tree in the packed sequence
-    tree_keys: tuple  # the caller's tree ids, by tree index
 
     @property
     def num_packed_tokens(self) -> int:
@@ -119,109 +116,6 @@ def _as_list(values) -> list[int]:
     if isinstance(values, torch.Tensor):
         return values.reshape(-1).tolist()
     return [int(v) for v in values]
-
-
-def pack_tree(
-    prompt_ids: Sequence[int] | torch.Tensor,
-    responses: Sequence[Sequence[int] | torch.Tensor | None] | torch.Tensor,
-    paths: Sequence[Sequence[Hashable] | None],
-    segment_ends: Sequence[Sequence[int] | None],
-    response_width: int | None = None,
-) -> PackedTree:
-    """Pack the leaf rows of one tree. Rows whose path is None are padding rows."""
-    tree_ids = [None if path is None else 0 for path in paths]
-    return pack_forest(tree_ids, [prompt_ids] * len(paths), responses, paths, segment_ends, response_width)
-
-
-def pack_forest(
-    tree_ids: Sequence[Hashable | None],
-    prompt_ids: Sequence[Sequence[int] | torch.Tensor | None],
-    responses: Sequence[Sequence[int] | torch.Tensor | None] | torch.Tensor,
-    paths: Sequence[Sequence[Hashable] | None],
-    segment_ends: Sequence[Sequence[int] | None],
-    response_width: int | None = None,
-) -> PackedTree:
-    """Pack the leaf rows of a batch (several trees) into one :class:`PackedTree`.
-
-    Per row: its tree id (None: a padding row, which owns no token), its prompt token ids (the same
-    for all rows of a tree), its response token ids (anything past the last segment end is padding),
-    its path of node ids (root excluded, as in :mod:`spo_verl.algorithms.tree_rows`) and the end
-    offset of each path node's segment in the response. A node shared by several rows must have the
-    same parent and the same tokens in each (checked). ``response_width`` (default: the longest
-    response) is the width ``T`` of :attr:`PackedTree.response_index`.
-    """
-    batch = len(tree_ids)
-    if not (len(prompt_ids) == len(responses) == len(paths) == len(segment_ends) == batch):
-        raise ValueError("tree_ids, prompt_ids, responses, paths and segment_ends need one entry per row")
-
-    tree_index: dict[Hashable, int] = {}
-    tree_prompts: list[list[int]] = []
-    # Nodes: index -> (tree, parent index, tokens); keyed by (tree, node id). Prompts are nodes too.
-    node_index: dict[tuple, int] = {}
-    node_parent: list[int] = []
-    node_tokens: list[list[int]] = []
-    node_tree: list[int] = []
-    children: list[list[int]] = []
-    row_nodes: list[list[int]] = []
-    row_lengths: list[int] = []
-
-    for row in range(batch):
-        tree_id = tree_ids[row]
-        if tree_id is None:
-            row_nodes.append([])
-            row_lengths.append(0)
-            continue
-        prompt = _as_list(prompt_ids[row])
-        if tree_id not in tree_index:
-            if not prompt:
-                raise ValueError(f"row {row}: tree {tree_id!r} has an empty prompt")
-            tree_index[tree_id] = len(tree_prompts)
-            tree_prompts.append(prompt)
-            node_index[(tree_id, None, "prompt")] = len(node_parent)
-            node_parent.append(-1)
-            node_tokens.append(prompt)
-            node_tree.append(tree_index[tree_id])
-            children.append([])
-        elif prompt != tree_prompts[tree_index[tree_id]]:
-            raise ValueError(f"row {row}: its prompt differs from the prompt of tree {tree_id!r}'s first row")
-        path = list(paths[row]) if paths[row] is not None else []
-        ends = _as_list(segment_ends[row]) if segment_ends[row] is not None else []
-        if not path:
-            raise ValueError(f"row {row} of tree {tree_id!r} has an empty path")
-        if len(ends) != len(path) or any(b <= a for a, b in zip([0] + ends, ends)):
-            raise ValueError(f"row {row}: segment_ends must be {len(path)} increasing positive offsets, got {ends}")
-        response = _as_list(responses[row])
-        if len(response) < ends[-1]:
-            raise ValueError(f"row {row}: the response has {len(response)} tokens, its segments end at {ends[-1]}")
-        current = node_index[(tree_id, None, "prompt")]
-        nodes = []
-        start = 0
-        for node_id, end in zip(path, ends):
-            tokens = response[start:end]
-            key = (tree_id, node_id)
-            index = node_index.get(key)
-            if index is None:
-                index = node_index[key] = len(node_parent)
-                node_parent.append(current)
-                node_tokens.append(tokens)
-                node_tree.append(tree_index[tree_id])
-                children.append([])
-                children[current].append(index)
-            elif node_parent[index] != current:
-                raise ValueError(f"tree {tree_id!r}: node {node_id!r} appears under two different parents")
-            elif node_tokens[index] != tokens:
-                raise ValueError(f"tree {tree_id!r}: node {node_id!r} has different tokens in row {row} than before")
-            nodes.append(index)
-            current = index
-            start = end
-        row_nodes.append(nodes)
-        row_lengths.append(ends[-1])
-
-    prompt_nodes = [node_index[(tree_id, None, "prompt")] if tree_id is not None else None for tree_id in tree_ids]
-    chains = [[] if prompt is None else [prompt, *nodes] for prompt, nodes in zip(prompt_nodes, row_nodes)]
-    prompt_lengths = [0 if prompt is None else len(node_tokens[prompt]) for prompt in prompt_nodes]
-    return _assemble(node_parent, node_tokens, node_tree, children, chains, prompt_lengths, row_lengths,
-                     response_width, tuple(tree_index))
 
 
 def pack_sequences(
@@ -284,7 +178,7 @@ def pack_sequences(
             if going_on:
                 work.append((node, start + shared, going_on))
     return _assemble(node_parent, node_tokens, node_tree, children, chains, [int(p) for p in prompt_lengths],
-                     response_lengths, response_width, tuple(range(trees)))
+                     response_lengths, response_width, trees)
 
 
 def _assemble(
@@ -296,7 +190,7 @@ def _assemble(
     prompt_lengths: list[int],
     response_lengths: list[int],
     response_width: int | None,
-    tree_keys: tuple,
+    num_trees: int,
 ) -> PackedTree:
     """The :class:`PackedTree` of a node graph: nodes (parent, tokens, tree, children in order), and
     per row its chain of nodes from its tree's root down (empty for a row that owns no token), whose
@@ -358,7 +252,7 @@ def _assemble(
         current = torch.where(node_parents[current] >= 0, node_parents[current], current)
         level = level - 1
 
-    tree_spans = torch.zeros(len(tree_keys), 2, **long)
+    tree_spans = torch.zeros(num_trees, 2, **long)
     for k in range(num_nodes):
         if parents[k] < 0:
             tree_spans[trees[k], 0] = starts[k]
@@ -402,5 +296,4 @@ def _assemble(
         row_index=row_index,
         response_index=response_index,
         tree_token_spans=tree_spans,
-        tree_keys=tree_keys,
     )

@@ -85,10 +85,6 @@ class SampledTree:
                 return node, slot % below == 0
         return node, True
 
-    def leaf_for_slot(self, slot: int) -> int | None:
-        leaf, first = self.slot_leaf(slot)
-        return leaf if first else None
-
 
 def _is_stop(token_ids: Sequence[int], max_tokens: int, eos_token_ids: Collection[int]) -> bool:
     # verl reports "completed" for both EOS and the length limit: check the last token.

@@ -1,4 +1,7 @@
-"""What both verl trainers need from SPO: the actor loss to install and the metrics of a batch."""
+"""What both verl trainers need from SPO: the actor loss to install, the batch's SPO rows (from the
+rollout's extra fields) and their ``spo/*`` metrics, the parsed ``algorithm.spo`` settings, plain
+validation answers when the rollout uses an SPO agent loop, and the refusal of per-prompt
+``__rollout_n__`` under ``spo_tree``."""
 
 from __future__ import annotations
 

@@ -2,17 +2,23 @@
 
 verl's agent-loop worker turns ``extra_fields["spo"]`` into the ``non_tensor_batch`` column ``spo``,
 but ``RayPPOTrainer.fit`` runs its advantage step (the module function ``compute_advantage``) without
-it. ``fit`` stays verl's; two methods of the subclass carry SPO:
+it. ``SPORayPPOTrainer`` overrides five methods; the first two carry SPO's advantage step:
 
-* ``fit`` runs inside ``batch_context.advantages_at_actor_update``: verl's advantage step gets zeros
-  from an SPO estimator (nothing reads advantages between that step and the actor update when there is
-  no critic, and SPO has none);
+* ``fit`` runs verl's ``fit`` unchanged inside ``batch_context.advantages_at_actor_update``: verl's
+  advantage step gets zeros from an SPO estimator (nothing reads advantages between that step and the
+  actor update when there is no critic, and SPO has none);
 * ``_update_actor`` computes the advantages with the batch's ``spo`` column (verl's own
   ``compute_advantage`` with the same arguments ``fit`` uses, the rows in batch order), narrows the
   loss to the trained segments through ``response_mask`` (what the legacy actor update uses as its
   loss mask), logs samples (``algorithm.spo.sample_log.dir``) and the credit metrics
-  (``algorithm.spo.credit_metrics``), and counts generated tokens. It changes
-  the batch in place, so verl's metrics after the update see the real advantages.
+  (``algorithm.spo.credit_metrics``), counts generated tokens (``algorithm.spo.generated_token_budget``)
+  and lifts the loss's ``spo/*`` metrics out of verl's ``actor/`` prefix. It changes the batch in
+  place, so verl's metrics after the update see the real advantages;
+* ``_create_dataloader``: when the rollout uses an SPO agent loop, validation samples plain
+  single-turn responses;
+* ``init_workers`` installs SPO's actor loss and, with ``algorithm.spo.packed_training``, switches the
+  actor/reference engines to packed forwards;
+* ``_balance_batch``, with packed training, keeps each uid's rows on one rank and next to each other.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """verl TaskRunners that train with SPO; ``run_ppo(config, task_runner_class=...)`` starts them.
 
-Both are verl's own runners. The v1 runner only makes sure the ``spo`` trainer mode is registered in
-the TaskRunner process (verl looks the mode up there). verl's legacy ``TaskRunner.run`` builds
+Both subclass verl's own runners. The v1 runner only makes sure the ``spo`` trainer mode is registered
+in the TaskRunner process (verl looks the mode up there). verl's legacy ``TaskRunner.run`` builds
 ``RayPPOTrainer`` by name, with no way to pass another class; the legacy runner's ``run`` takes the
 same steps with verl's own functions (worker roles, config validation, tokenizer, resource pools,
-datasets, sampler) and builds ``SPORayPPOTrainer`` instead.
+datasets, sampler) and builds ``SPORayPPOTrainer`` instead, and with packed training its
+``add_actor_rollout_worker`` puts the packed worker in the role mapping.
 """
 
 from __future__ import annotations

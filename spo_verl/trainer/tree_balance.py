@@ -6,8 +6,8 @@ SPO tree's leaves) over ranks and micro-batches, so a packed forward finds few r
 prompt. With ``algorithm.spo.packed_training`` the SPO trainer orders rows uid by uid instead
 (padding rows last, as verl appends them) and cuts the batch into equal contiguous shares per rank,
 as verl's dispatch does: a group is split only where a rank's share (or, inside the worker, a
-mini-batch) ends.
-The price is token balance across ranks, logged under the same metric names as verl's.
+mini-batch) ends. The price is token balance across ranks, logged under the same metric names as
+verl's. The legacy trainer orders its rows with :func:`tree_order` too.
 """
 
 from __future__ import annotations

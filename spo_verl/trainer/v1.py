@@ -4,19 +4,24 @@
 * ``_compute_advantage`` reads each trajectory's ``extra_fields["spo"]`` from TransferQueue and runs
   verl's own advantage step with those rows visible to the SPO estimators; then it restricts the loss
   to the segments the estimator chose to train (``response_mask``/``loss_mask`` in TransferQueue, as
-  verl's rollout correction does) and logs ``spo/*`` metrics; with ``algorithm.spo.sample_log.dir``
-  set it also appends a few of the step's responses (segments, probabilities, advantages; one whole
-  tree for spo_tree) to ``samples.jsonl`` there, for every algorithm (``spo_verl.trainer.sample_log``),
-  and with ``algorithm.spo.credit_metrics`` it logs where the step's advantages put the blame
-  (``spo/credit/*``, ``spo_verl.trainer.credit_step``);
+  verl's rollout correction does) and logs ``spo/*`` metrics. For every algorithm it counts the step's
+  generated tokens (``spo/generated_tokens``, ``algorithm.spo.generated_token_budget``:
+  ``spo_verl.trainer.token_budget``); with ``algorithm.spo.sample_log.dir`` set it also appends a few
+  of the step's responses (segments, probabilities, advantages; one whole tree for spo_tree) to
+  ``samples.jsonl`` there (``spo_verl.trainer.sample_log``), and with ``algorithm.spo.credit_metrics``
+  it logs where the step's advantages put the blame (``spo/credit/*``, ``spo_verl.trainer.credit_step``);
 * ``init`` installs SPO's actor loss (verl's ``ppo_loss`` plus the reference's masked KL);
-* its replay buffer looks for finished rollouts every ``ROLLOUT_POLL_S`` instead of every 2 s;
-* with ``algorithm.spo.packed_training``, ``_balance_batch`` keeps each prompt's rows together
-  (``spo_verl.trainer.tree_balance``) and the actor/reference workers run packed forwards;
+* ``_init_dataloader`` refuses a ``__rollout_n__`` data column under ``spo_tree`` and, when the rollout
+  uses an SPO agent loop, has validation sample plain single-turn responses;
+* ``_build_replay_buffer``: the replay buffer looks for finished rollouts every ``ROLLOUT_POLL_S``
+  instead of every 2 s;
+* with ``algorithm.spo.packed_training``, ``_init_resource_pool_mgr`` puts the packed worker in the
+  role mapping and ``init`` switches the actor/reference engines to packed forwards
+  (``spo_verl.trainer.packed_worker``), and ``_balance_batch`` keeps each prompt's rows together
+  (``spo_verl.trainer.tree_balance``);
 * ``_update_actor`` sends only the trajectories that train at least one token to the actor (leaves
   whose segments are all trained elsewhere or all zero cost no forward/backward), padded and
-  balanced by verl's own ``_balance_batch``; it lifts the loss's ``spo/*`` metrics out of verl's
-  ``actor/`` prefix.
+  balanced by ``_balance_batch``; it lifts the loss's ``spo/*`` metrics out of verl's ``actor/`` prefix.
 
 Registered as the v1 trainer mode ``spo`` (``trainer.v1.trainer_mode=spo``); it behaves as verl's
 ``sync`` mode in everything else, so verl's own checks on the literal mode name still hold.
