@@ -333,9 +333,17 @@ def leaf_slots(tree: Sequence[int] | Mapping) -> int:
     return math.prod(_positive_int_list(f"{NAMESPACE}.tree.branching", list(raw)))
 
 
+def rows_tokens(rows: int, prompt_tokens: int, response_tokens: int) -> int:
+    """Tokens of ``rows`` rows of the longest prompt and response: a setting's token budgets follow
+    its lengths (``${spo_rows_tokens:2,${data.max_prompt_length},${data.max_response_length}}``)."""
+    return int(rows) * (int(prompt_tokens) + int(response_tokens))
+
+
 if not OmegaConf.has_resolver("spo_leaf_slots"):
     # ``actor_rollout_ref.rollout.n: ${spo_leaf_slots:${algorithm.spo.tree}}`` in the recipe.
     OmegaConf.register_new_resolver("spo_leaf_slots", leaf_slots)
+if not OmegaConf.has_resolver("spo_rows_tokens"):
+    OmegaConf.register_new_resolver("spo_rows_tokens", rows_tokens)
 
 
 def cutpoint_tree_max_leaves(cutpoint: CutpointTreeSettings) -> int:

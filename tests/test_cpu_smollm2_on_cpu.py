@@ -9,6 +9,7 @@ after an update)."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pandas as pd
@@ -16,6 +17,9 @@ import pytest
 from pathlib import Path
 import torch
 
+from omegaconf import OmegaConf
+
+import spo_verl.config  # noqa: F401  the recipe's resolvers (spo_rows_tokens)
 from spo_verl.cpu_settings import smollm2 as cpu_smollm2
 
 
@@ -125,7 +129,9 @@ def test_the_run_scripts_take_the_task_from_smollm2_task(built, task):
         limits = cpu_smollm2.TASKS["steps6"]
         assert (limits.prompt_tokens, limits.response_tokens) == (336, 144)
         assert "max_prompt_length: 336" in result.stdout and "max_response_length: 144" in result.stdout
-        assert "max_model_len: 480" in result.stdout
+        printed = OmegaConf.create("\n".join(line for line in result.stdout.splitlines()  # the YAML, not the log lines
+                                             if re.match(r"( |[a-z_]+:)", line) and not line.startswith("spo: ")))
+        assert printed.actor_rollout_ref.rollout.max_model_len == 336 + 144  # follows the lengths (spo_rows_tokens)
     else:  # refused before anything starts, naming the allowed tasks
         assert result.returncode != 0 and "invalid choice: 'add_mul'" in result.stderr and "add_add" in result.stderr
         assert "Started a local Ray instance" not in result.stderr

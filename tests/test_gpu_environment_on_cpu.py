@@ -50,7 +50,7 @@ def test_a_missing_python_and_an_unknown_setting_are_named():
     assert result.returncode == 2 and "PYTHON=/nonexistent/python, which is not found" in result.stderr
     result, _ = launch("run_spo_tree.sh", SETTING="math-r1")
     assert result.returncode == 2
-    assert "unknown SETTING=math-r1 (allowed: math-r1-1.5b gsm8k-rhomath-1.1b cpu-tiny cpu-smollm2)" in result.stderr
+    assert "unknown SETTING=math-r1 (allowed: cpu-smollm2 cpu-tiny gsm8k-rhomath-1.1b math-r1-1.5b)" in result.stderr
 
 
 def _torch(cuda: str | None, devices: int):

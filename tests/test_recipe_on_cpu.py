@@ -357,6 +357,44 @@ def test_the_cluster_settings_names_pass(tiny_model):
                                         "reward.custom_reward_function.name=compute_score"))
 
 
+SETTINGS = sorted(path.stem for path in (Path(RECIPE_CONFIG) / "setting").glob("*.yaml"))
+
+
+def compose_setting(setting, algorithm, *overrides):
+    """A setting as the launcher composes it (a CPU setting with the builder's outputs given)."""
+    built = (["data.train_files=t.parquet", "data.val_files=v.parquet", "data.max_prompt_length=100",
+              "data.max_response_length=60"] if setting.startswith("cpu-") else [])
+    with initialize_config_dir(config_dir=RECIPE_CONFIG, version_base=None):
+        config = compose(config_name="spo_trainer", overrides=[f"setting={setting}", f"spo_algorithm={algorithm}", *built,
+                                                               *overrides])
+    OmegaConf.resolve(config)
+    return config
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_every_setting_composes_with_every_algorithm(setting, tiny_model):
+    assert SETTINGS == ["cpu-smollm2", "cpu-tiny", "gsm8k-rhomath-1.1b", "math-r1-1.5b"]
+    for algorithm in ALGORITHMS:
+        config = compose_setting(setting, algorithm, f"actor_rollout_ref.model.path={tiny_model[0]}")
+        validate_spo_run(config)
+        actor = config.actor_rollout_ref.actor
+        if setting == "gsm8k-rhomath-1.1b":  # the reference whitens over 8 sequences; a tree varies in rows
+            tree = algorithm.startswith("spo_tree")
+            assert actor.use_dynamic_bsz is tree
+            if tree:
+                assert actor.ppo_max_token_len_per_gpu == 16384 and actor.ppo_micro_batch_size_per_gpu is None
+            else:
+                assert actor.ppo_micro_batch_size_per_gpu == 8 and config.critic.ppo_micro_batch_size_per_gpu == 8
+        if setting == "cpu-smollm2":  # the builder's lengths
+            assert config.actor_rollout_ref.rollout.max_model_len == 160 and config.actor_rollout_ref.rollout.n == 4
+        if setting.startswith("cpu-"):  # vLLM's log-probs as the old ones, but not on the legacy trainer
+            assert config.algorithm.rollout_correction.bypass_mode is True
+            legacy = compose_setting(setting, algorithm, "trainer.use_v1=false")
+            assert legacy.algorithm.rollout_correction.bypass_mode is False
+        else:
+            assert config.trainer.n_gpus_per_node == 8 and actor.optim.lr == pytest.approx(1e-6)
+
+
 @pytest.fixture
 def cpu_tiny_cache(tiny_model, tmp_path):
     """A cpu-tiny cache folder (spo_verl/cpu_settings/cache.py) around the session's tiny model, without
@@ -487,5 +525,6 @@ def test_the_gsm8k_grpo_and_the_4k_stage_scripts_compose_their_setups(tmp_path):
     config = OmegaConf.create("\n".join(config_lines(stage.stdout)))
     assert config.actor_rollout_ref.model.path == "/shared/models/spo-tree-2k"
     assert config.data.max_response_length == 3950 and config.algorithm.adv_estimator == "spo_tree"
+    assert config.actor_rollout_ref.actor.ppo_max_token_len_per_gpu == 2 * (512 + 3950)  # follows the lengths
     assert config.trainer.experiment_name == "math-r1-1.5b-spo_tree-4k"
     assert_set_for_a_long_cluster_run(stage.stdout)

@@ -69,7 +69,7 @@ class PackCase:
         return f"first micro-batch at ppo_max_token_len_per_gpu={self.budget:,}"
 
 
-# In order of priority: the cluster's own micro-batches first. Lengths from scripts/spo_launch.sh: a ~150-token
+# In order of priority: the cluster's own micro-batches first. Lengths from recipe/spo/config/setting/: a ~150-token
 # prompt; math-r1-1.5b: 6-6-6, 600-token segments, 1,900-token responses, ppo_max_token_len_per_gpu 4,824;
 # gsm8k-rhomath-1.1b: 30-token segments, 1,024-token responses, 16,384 for trees, 8 sequences for GRPO.
 # Every response runs to its full length (the most tokens a micro-batch holds). A math GRPO group gets a
