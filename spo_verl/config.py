@@ -176,13 +176,16 @@ def _fail(key: str, allowed: str, value: Any) -> SPOConfigError:
     return SPOConfigError(f"{key} must be {allowed}, got {value!r}")
 
 
-def _probability(key: str, value: Any) -> float:
+def check_probability(key: str, value: Any) -> float:
+    """``value`` as a probability threshold in (0, 1], or an error naming ``key``: the one rule for every
+    threshold, the settings' and the maths' arguments alike."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 < value <= 1.0:
         raise _fail(key, "a number in (0, 1]", value)
     return float(value)
 
 
-def _positive_int(key: str, value: Any) -> int:
+def check_positive_int(key: str, value: Any) -> int:
+    """``value`` as a positive integer, or an error naming ``key`` (a bool is not one)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise _fail(key, "a positive integer", value)
     return value
@@ -212,7 +215,7 @@ def _text(key: str, value: Any) -> str:
 def _positive_int_list(key: str, value: Any) -> tuple[int, ...]:
     if isinstance(value, str) or not isinstance(value, Sequence) or len(value) == 0:
         raise _fail(key, "a non-empty list of positive integers", value)
-    return tuple(_positive_int(f"{key}[{i}]", item) for i, item in enumerate(value))
+    return tuple(check_positive_int(f"{key}[{i}]", item) for i, item in enumerate(value))
 
 
 def _optional_text(key: str, value: Any) -> str | None:
@@ -222,25 +225,25 @@ def _optional_text(key: str, value: Any) -> str | None:
 
 
 def _optional_positive_int(key: str, value: Any) -> int | None:
-    return None if value is None else _positive_int(key, value)
+    return None if value is None else check_positive_int(key, value)
 
 
 def _int_or_int_list(key: str, value: Any) -> tuple[int, ...]:
     if isinstance(value, int) and not isinstance(value, bool):
-        return (_positive_int(key, value),)
+        return (check_positive_int(key, value),)
     return _positive_int_list(key, value)
 
 
 _CHECKS = {
     "truncated_response_score": _choice(TRUNCATED_RESPONSE_SCORES),
-    "prob_mask.threshold": _probability,
+    "prob_mask.threshold": check_probability,
     "prob_mask.normalization": _choice(LOSS_NORMALIZATIONS),
     "chain.partition": _choice(CHAIN_PARTITIONS),
-    "chain.cutpoint_threshold": _probability,
-    "chain.cutpoint_interval": _positive_int,
-    "chain.num_segments": _positive_int,
+    "chain.cutpoint_threshold": check_probability,
+    "chain.cutpoint_interval": check_positive_int,
+    "chain.num_segments": check_positive_int,
     "chain.delimiter": _text,
-    "chain.mc_samples": _positive_int,
+    "chain.mc_samples": check_positive_int,
     "chain.max_boundaries": _optional_positive_int,
     "chain.max_mc_tokens_per_response": _optional_positive_int,
     "tree.branching": _positive_int_list,
@@ -250,18 +253,18 @@ _CHECKS = {
     "tree.max_trained_segments_per_prompt": _optional_positive_int,
     "tree.align_to_block": _optional_positive_int,
     "tree.branch_at": _choice(TREE_BRANCH_POINTS),
-    "tree.cutpoint.responses": _positive_int,
-    "tree.cutpoint.width": _positive_int,
-    "tree.cutpoint.max_forks": _positive_int,
-    "tree.cutpoint.rounds": _positive_int,
-    "tree.cutpoint.threshold": _probability,
-    "tree.cutpoint.interval": _positive_int,
+    "tree.cutpoint.responses": check_positive_int,
+    "tree.cutpoint.width": check_positive_int,
+    "tree.cutpoint.max_forks": check_positive_int,
+    "tree.cutpoint.rounds": check_positive_int,
+    "tree.cutpoint.threshold": check_probability,
+    "tree.cutpoint.interval": check_positive_int,
     "sample_log.dir": _optional_text,
-    "sample_log.responses_per_step": _positive_int,
+    "sample_log.responses_per_step": check_positive_int,
     "generated_token_budget": _optional_positive_int,
     "packed_training": _boolean,
-    "packed_chunk_tokens": _positive_int,
-    "packed_max_token_ratio": _probability,
+    "packed_chunk_tokens": check_positive_int,
+    "packed_max_token_ratio": check_probability,
     "packed_training_check": _boolean,
     "credit_metrics": _boolean,
 }

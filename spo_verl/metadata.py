@@ -10,10 +10,11 @@ classes below with ``from_extra_field``, which names the missing setting when a 
   ids from the root's child to the leaf, ``segment_ends`` the response offset where each path node's
   segment ends. ``trains`` is False for the legacy trainer's stand-in copy of a leaf that stopped
   early (its mask is all zero). ``tree`` carries the tree's shape and cost for the ``spo/tree/*``
-  metrics (the same on every leaf of a tree).
+  metrics (the same on every leaf of a tree): ``TreeStatistics``, or ``CutpointTreeStatistics`` for a
+  tree that forks at cutpoints.
 * ``ChainRow`` (``spo_chain``): one response. ``segment_starts`` are the response offsets where the
   segments begin, ``boundary_values`` the Monte Carlo value of the prefix before each start.
-  ``chain`` carries its Monte Carlo cost for the ``spo/chain/*`` metrics.
+  ``chain`` carries its Monte Carlo cost for the ``spo/chain/*`` metrics (``ChainStatistics``).
 
 ``truncated``: the response was cut by the length limit (``algorithm.spo.truncated_response_score``
 says how the estimators score it).
@@ -22,7 +23,7 @@ says how the estimators score it).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 # Key of the SPO metadata in AgentLoopOutput.extra_fields (and so a non_tensor_batch column).
@@ -36,13 +37,44 @@ class SPOMetadataMissingError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class TreeStatistics:
+    """Shape and cost of one sampled tree."""
+    nodes: int  # segments, the root excluded
+    leaves: int
+    early_stops_per_depth: list[int]  # leaves that stopped above the last depth, by depth
+    generated_tokens: int  # every node's segment once
+    independent_sample_tokens: int  # what the leaves would have cost as independent responses
+
+
+@dataclass(frozen=True)
+class CutpointTreeStatistics(TreeStatistics):
+    """A tree that forks at cutpoints: also its forks and where they fall."""
+    paths: int = 0  # responses sampled from the prompt
+    forks: int = 0
+    fork_positions: list[float] = field(default_factory=list)  # a fork's offset over its response's length
+    cutpoint_requests: int = 0  # requests made to find the cutpoints
+
+
+@dataclass(frozen=True)
+class ChainStatistics:
+    """Monte Carlo cost of one chain."""
+    boundaries: int
+    mc_continuations: int  # continuations this response started (a prefix's value shared between responses counts once)
+    mc_tokens: int
+    mc_truncated: int  # continuations cut by the length limit
+    cutpoint_requests: int
+    no_cutpoint: bool  # cutpoint partition, and no token below the threshold
+    capped: bool  # boundaries dropped by the per-response caps (max_boundaries, max_mc_tokens_per_response)
+
+
+@dataclass(frozen=True)
 class TreeLeafRow:
     path: list[int]
     segment_ends: list[int]
     tree_id: Any = None  # None: the row's uid names its tree
     trains: bool = True
     truncated: bool = False
-    tree: Mapping[str, Any] | None = None  # nodes, leaves, early_stops_per_depth, generated_tokens, independent_sample_tokens
+    tree: TreeStatistics | None = None
 
 
 @dataclass(frozen=True)
@@ -50,7 +82,7 @@ class ChainRow:
     segment_starts: list[int]
     boundary_values: list[float]
     truncated: bool = False
-    chain: Mapping[str, Any] | None = None  # boundaries, mc_continuations, mc_tokens, mc_truncated, cutpoint_requests, ...
+    chain: ChainStatistics | None = None
 
 
 SPORow = TreeLeafRow | ChainRow
@@ -90,4 +122,18 @@ def from_extra_field(value: Any) -> SPORow | None:
             raise SPOMetadataMissingError(f"{'spo_tree' if cls is TreeLeafRow else 'spo_chain'}: a row's SPO "
                                           f"metadata has no '{name}' (got keys {sorted(value)})")
     known = {f.name for f in fields(cls)}
-    return cls(**{key: item for key, item in value.items() if key in known})
+    row = {key: item for key, item in value.items() if key in known}
+    if row.get("tree") is not None:
+        row["tree"] = _statistics(CutpointTreeStatistics if "forks" in row["tree"] else TreeStatistics, row["tree"])
+    if row.get("chain") is not None:
+        row["chain"] = _statistics(ChainStatistics, row["chain"])
+    return cls(**row)
+
+
+def _statistics(cls: type, value: Any):
+    if isinstance(value, cls):
+        return value
+    missing = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING and f.name not in value]
+    if missing:
+        raise SPOMetadataMissingError(f"a row's {cls.__name__} has no {missing} (got keys {sorted(value)})")
+    return cls(**{f.name: value[f.name] for f in fields(cls) if f.name in value})

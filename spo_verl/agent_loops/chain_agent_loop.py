@@ -25,7 +25,7 @@ from verl.trainer.ppo.reward import get_custom_reward_fn
 from verl.utils.profiler import simple_timer
 from verl.utils.reward_score import default_compute_score
 
-from spo_verl.metadata import SPO_FIELD, ChainRow, to_extra_field
+from spo_verl.metadata import SPO_FIELD, ChainRow, ChainStatistics, to_extra_field
 from spo_verl.config import parse_spo_settings
 from spo_verl.algorithms.segments import cut_by_length_limit
 from spo_verl.rollout.chain import BoundaryValueCache, cap_boundaries, monte_carlo_value, segment_starts
@@ -114,15 +114,15 @@ class SPOChainAgentLoop(AgentLoopBase):
             boundary_values=[value.value for value in values],
             # The estimators score a truncated response by algorithm.spo.truncated_response_score.
             truncated=cut_by_length_limit(token_ids, self.response_length, self.eos_token_ids),
-            chain={
-                "boundaries": len(starts),
-                "mc_continuations": sum(v.continuations for v in started_here),
-                "mc_tokens": sum(v.continuation_tokens for v in started_here),
-                "mc_truncated": sum(v.truncated for v in started_here),
-                "cutpoint_requests": cutpoint_requests,
-                "no_cutpoint": self.settings.partition == "cutpoint" and not found,
-                "capped": capped,
-            },
+            chain=ChainStatistics(
+                boundaries=len(starts),
+                mc_continuations=sum(v.continuations for v in started_here),
+                mc_tokens=sum(v.continuation_tokens for v in started_here),
+                mc_truncated=sum(v.truncated for v in started_here),
+                cutpoint_requests=cutpoint_requests,
+                no_cutpoint=self.settings.partition == "cutpoint" and not found,
+                capped=capped,
+            ),
         ))
         return AgentLoopOutput(
             prompt_ids=prompt_ids,

@@ -26,7 +26,7 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetr
 from verl.utils.profiler import simple_timer
 
 from spo_verl.algorithms.segments import cut_by_length_limit
-from spo_verl.metadata import SPO_FIELD, TreeLeafRow, to_extra_field
+from spo_verl.metadata import SPO_FIELD, CutpointTreeStatistics, TreeLeafRow, TreeStatistics, to_extra_field
 from spo_verl.config import check_cutpoint_tree_fits, check_tree_fits, parse_spo_settings, tree_segment_budgets
 from spo_verl.rollout.cutpoint_tree import CutpointTree, sample_cutpoint_tree
 from spo_verl.rollout.server_output import merged_weight_versions
@@ -41,9 +41,9 @@ class _TreeJob:
     next_slot: itertools.count = field(default_factory=itertools.count)
 
 
-def tree_statistics(tree: SampledTree) -> dict[str, Any]:
+def tree_statistics(tree: SampledTree) -> TreeStatistics:
     """Shape and cost of one tree, for the ``spo/tree/*`` metrics. A fixed tree counts the leaves
-    that stopped above its last depth; a cutpoint tree its forks and where they fall."""
+    that stopped above its last depth; a cutpoint tree also its forks and where they fall."""
     depth = len(tree.branching)
     segments = tree.nodes[1:]
     leaves = tree.leaves()
@@ -51,23 +51,22 @@ def tree_statistics(tree: SampledTree) -> dict[str, Any]:
     for leaf in leaves:
         if tree.nodes[leaf].depth < depth:
             early_stops[tree.nodes[leaf].depth - 1] += 1
-    generated = sum(len(node.token_ids) for node in segments)
-    independent = sum(len(tree.prefix(leaf)[0]) for leaf in leaves)
-    statistics = {
-        "nodes": len(segments),
-        "leaves": len(leaves),
-        "early_stops_per_depth": early_stops,
-        "generated_tokens": generated,
-        "independent_sample_tokens": independent,
-    }
+    shape = dict(
+        nodes=len(segments),
+        leaves=len(leaves),
+        early_stops_per_depth=early_stops,
+        generated_tokens=sum(len(node.token_ids) for node in segments),
+        independent_sample_tokens=sum(len(tree.prefix(leaf)[0]) for leaf in leaves),
+    )
     if isinstance(tree, CutpointTree):
-        statistics.update({
-            "paths": tree.paths,
-            "forks": len(tree.forks),
-            "fork_positions": [fork.position / fork.response_tokens for fork in tree.forks],
-            "cutpoint_requests": tree.cutpoint_requests,
-        })
-    return statistics
+        return CutpointTreeStatistics(
+            **shape,
+            paths=tree.paths,
+            forks=len(tree.forks),
+            fork_positions=[fork.position / fork.response_tokens for fork in tree.forks],
+            cutpoint_requests=tree.cutpoint_requests,
+        )
+    return TreeStatistics(**shape)
 
 
 @register("spo_tree")

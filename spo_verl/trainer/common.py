@@ -13,7 +13,7 @@ import numpy as np
 
 from spo_verl.batch_context import SPOBatchContext
 from spo_verl.config import SPOSettings, parse_spo_settings
-from spo_verl.metadata import SPO_ALGORITHMS, SPO_FIELD, ChainRow, TreeLeafRow
+from spo_verl.metadata import SPO_ALGORITHMS, SPO_FIELD, ChainRow, CutpointTreeStatistics, TreeLeafRow
 from spo_verl.policy_loss import LOSS_NAME, spo_ppo_loss
 
 SPO_ESTIMATORS = SPO_AGENT_LOOPS = SPO_ALGORITHMS
@@ -111,42 +111,42 @@ def batch_metrics(context: SPOBatchContext, response_mask) -> dict[str, float]:
     if trees:
         stats = list(trees.values())
         metrics["spo/tree/trees"] = float(len(stats))
-        metrics["spo/tree/nodes_per_tree"] = float(np.mean([s["nodes"] for s in stats]))
-        metrics["spo/tree/leaves_per_tree"] = float(np.mean([s["leaves"] for s in stats]))
-        early = np.array([s["early_stops_per_depth"] for s in stats], dtype=float)
+        metrics["spo/tree/nodes_per_tree"] = float(np.mean([s.nodes for s in stats]))
+        metrics["spo/tree/leaves_per_tree"] = float(np.mean([s.leaves for s in stats]))
+        early = np.array([s.early_stops_per_depth for s in stats], dtype=float)
         for depth, count in enumerate(early.mean(axis=0), start=1):
             metrics[f"spo/tree/early_stops_per_tree/depth{depth}"] = float(count)
-        generated = sum(s["generated_tokens"] for s in stats)
-        independent = sum(s["independent_sample_tokens"] for s in stats)
+        generated = sum(s.generated_tokens for s in stats)
+        independent = sum(s.independent_sample_tokens for s in stats)
         metrics["spo/tree/generated_tokens"] = float(generated)
         metrics["spo/tree/independent_sample_tokens"] = float(independent)
         metrics["spo/tree/generated_over_independent"] = generated / max(independent, 1)
         # Every node is one segment, generated once.
-        metrics["spo/tree/segment_tokens_mean"] = generated / max(sum(s["nodes"] for s in stats), 1)
-        cutpoint_trees = [s for s in stats if "forks" in s]
+        metrics["spo/tree/segment_tokens_mean"] = generated / max(sum(s.nodes for s in stats), 1)
+        cutpoint_trees = [s for s in stats if isinstance(s, CutpointTreeStatistics)]
         if cutpoint_trees:
-            paths = sum(s["paths"] for s in cutpoint_trees)
-            positions = [p for s in cutpoint_trees for p in s["fork_positions"]]
+            paths = sum(s.paths for s in cutpoint_trees)
+            positions = [p for s in cutpoint_trees for p in s.fork_positions]
             metrics["spo/tree/paths_per_tree"] = paths / len(cutpoint_trees)
-            metrics["spo/tree/forks_per_response"] = sum(s["forks"] for s in cutpoint_trees) / max(paths, 1)
-            metrics["spo/tree/no_fork_fraction"] = float(np.mean([s["forks"] == 0 for s in cutpoint_trees]))
+            metrics["spo/tree/forks_per_response"] = sum(s.forks for s in cutpoint_trees) / max(paths, 1)
+            metrics["spo/tree/no_fork_fraction"] = float(np.mean([s.forks == 0 for s in cutpoint_trees]))
             if positions:  # a fork's response offset over that response's length
                 metrics["spo/tree/fork_position_mean"] = float(np.mean(positions))
-            metrics["spo/tree/cutpoint_requests"] = float(sum(s["cutpoint_requests"] for s in cutpoint_trees))
+            metrics["spo/tree/cutpoint_requests"] = float(sum(s.cutpoint_requests for s in cutpoint_trees))
     chains = [row for row in context.rows if isinstance(row, ChainRow) and row.chain is not None]
     if chains:
         stats = [row.chain for row in chains]
         values = [v for row in chains for v in row.boundary_values]
-        metrics["spo/chain/boundaries_per_response"] = float(np.mean([s["boundaries"] for s in stats]))
-        continuations = sum(s["mc_continuations"] for s in stats)
+        metrics["spo/chain/boundaries_per_response"] = float(np.mean([s.boundaries for s in stats]))
+        continuations = sum(s.mc_continuations for s in stats)
         metrics["spo/chain/mc_continuations"] = float(continuations)
-        metrics["spo/chain/mc_tokens"] = float(sum(s["mc_tokens"] for s in stats))
+        metrics["spo/chain/mc_tokens"] = float(sum(s.mc_tokens for s in stats))
         if continuations:
             # Continuations may use what the response left of rollout.response_length (docs/FIDELITY.md).
-            metrics["spo/chain/mc_truncated_fraction"] = sum(s["mc_truncated"] for s in stats) / continuations
-        metrics["spo/chain/cutpoint_requests"] = float(sum(s["cutpoint_requests"] for s in stats))
-        metrics["spo/chain/no_cutpoint_fraction"] = float(np.mean([s["no_cutpoint"] for s in stats]))
-        metrics["spo/chain/capped_responses"] = float(sum(s["capped"] for s in stats))
+            metrics["spo/chain/mc_truncated_fraction"] = sum(s.mc_truncated for s in stats) / continuations
+        metrics["spo/chain/cutpoint_requests"] = float(sum(s.cutpoint_requests for s in stats))
+        metrics["spo/chain/no_cutpoint_fraction"] = float(np.mean([s.no_cutpoint for s in stats]))
+        metrics["spo/chain/capped_responses"] = float(sum(s.capped for s in stats))
         if values:
             metrics["spo/chain/boundary_value_mean"] = float(np.mean(values))
             metrics["spo/chain/boundary_value_std"] = float(np.std(values))
