@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from spo_verl.config import check_probability
+
 LOG_RATIO_CLAMP = 10.0
 WHITEN_EPS = 1e-8
 # The reference trains nothing on a micro-batch whose mean ratio over the masked tokens exceeds this.
@@ -16,8 +18,7 @@ def probability_mask(old_log_probs: torch.Tensor, response_mask: torch.Tensor, t
     ``old_log_probs`` must come from temperature-scaled logits as verl's actor recomputes
     them (it divides the logits by the rollout temperature).
     """
-    if not 0.0 < threshold <= 1.0:
-        raise ValueError(f"probability mask threshold must be in (0, 1], got {threshold!r}")
+    check_probability("probability mask threshold", threshold)
     return response_mask.bool() & (old_log_probs.exp() < threshold)
 
 

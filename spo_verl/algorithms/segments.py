@@ -4,15 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-
-def _check_threshold(threshold: float) -> None:
-    if not 0.0 < threshold <= 1.0:
-        raise ValueError(f"threshold must be in (0, 1], got {threshold!r}")
+from spo_verl.config import check_positive_int, check_probability
 
 
 def low_probability_positions(token_probs: Sequence[float], threshold: float = 0.9) -> list[int]:
     """Indices t with p_t < threshold: the places where the policy could have branched."""
-    _check_threshold(threshold)
+    check_probability("threshold", threshold)
     return [t for t, p in enumerate(token_probs) if p < threshold]
 
 
@@ -27,15 +24,19 @@ def cutpoint_segment_starts(token_probs: Sequence[float], threshold: float = 0.9
 
 def select_cutpoints(low_positions: Sequence[int], interval: int = 5) -> list[int]:
     """Every ``interval``-th of the low-probability positions, beginning with the first."""
-    if int(interval) != interval or interval < 1:
-        raise ValueError(f"interval must be a positive integer, got {interval!r}")
-    return list(low_positions)[:: int(interval)]
+    return list(low_positions)[:: check_positive_int("interval", interval)]
 
 
 def cut_by_length_limit(token_ids: Sequence[int], max_tokens: int, eos_token_ids: Collection[int]) -> bool:
     """Whether a generation was cut by its token budget: it used all ``max_tokens`` tokens and the last
     one is not EOS. (verl's server reports "completed" for both EOS and the length limit.)"""
     return len(token_ids) >= max_tokens and bool(token_ids) and token_ids[-1] not in eos_token_ids
+
+
+def length_without_final_eos(token_ids: Sequence[int], eos_token_ids: Collection[int]) -> int:
+    """The response's length less a final EOS: the reference strips EOS from its responses, so a final
+    EOS is never a cutpoint (SPO-chain) or a fork (the cutpoint tree)."""
+    return len(token_ids) - 1 if token_ids and token_ids[-1] in eos_token_ids else len(token_ids)
 
 
 def fixed_count_segment_starts(num_tokens: int, num_segments: int) -> list[int]:
@@ -45,9 +46,7 @@ def fixed_count_segment_starts(num_tokens: int, num_segments: int) -> list[int]:
     """
     if num_tokens < 0:
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens!r}")
-    if int(num_segments) != num_segments or num_segments < 1:
-        raise ValueError(f"num_segments must be a positive integer, got {num_segments!r}")
-    count = min(int(num_segments), num_tokens)
+    count = min(check_positive_int("num_segments", num_segments), num_tokens)
     if count == 0:
         return []
     base, extra = divmod(num_tokens, count)

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from spo_verl.config import SPOSettings
 from spo_verl.packing.cascade_attention import CASCADE_ATTENTION, register_cascade_attention
 from spo_verl.packing.micro_batches import tree_micro_batches
 from spo_verl.packing.packed_forward import packed_token_scores
@@ -50,19 +51,30 @@ PACKED_FORWARD_KWARG = "spo_packed_forward"
 _INSTALLED = "__spo_packed_forward__"
 
 
+_SPO_DEFAULTS = SPOSettings()
+
+
 @dataclass(frozen=True)
 class PackedTrainingSettings:
-    """``chunk_tokens``: hidden states projected to the vocabulary at a time (never full logits).
+    """The engine's view of the ``algorithm.spo.packed_*`` settings (:meth:`from_spo`; their defaults
+    and checks are those of :class:`spo_verl.config.SPOSettings`).
+
+    ``chunk_tokens``: hidden states projected to the vocabulary at a time (never full logits).
     ``check_updates``: in that many first training passes, also run every micro-batch per row (no
     gradient) and report the largest differences as ``spo/packing/check/*`` metrics.
     ``max_token_ratio``: a micro-batch is packed only when its packed tokens are at most this share
     of its row tokens; otherwise it runs verl's per-row forward (``spo/packing/per_row_micro_batches``).
     ``prob_mask_threshold``: the probability mask's threshold, for the old-log-prob probe (below)."""
 
-    chunk_tokens: int = 4096
+    chunk_tokens: int = _SPO_DEFAULTS.packed_chunk_tokens
     check_updates: int = 0
-    max_token_ratio: float = 0.9
-    prob_mask_threshold: float = 0.9
+    max_token_ratio: float = _SPO_DEFAULTS.packed_max_token_ratio
+    prob_mask_threshold: float = _SPO_DEFAULTS.prob_mask.threshold
+
+    @classmethod
+    def from_spo(cls, settings: SPOSettings) -> PackedTrainingSettings:
+        return cls(chunk_tokens=settings.packed_chunk_tokens, check_updates=int(settings.packed_training_check),
+                   max_token_ratio=settings.packed_max_token_ratio, prob_mask_threshold=settings.prob_mask.threshold)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from spo_verl.algorithms.segments import (
     cut_by_length_limit,
     delimiter_segment_starts,
     fixed_count_segment_starts,
+    length_without_final_eos,
     select_cutpoints,
 )
 from spo_verl.config import ChainSettings
@@ -146,8 +147,7 @@ async def segment_starts(settings: ChainSettings, token_ids: Sequence[int], log_
         return fixed_count_segment_starts(len(token_ids), settings.num_segments), 0
     if settings.partition == "delimiter":
         return delimiter_segment_starts(token_ids, delimiter_token_ids), 0
-    # The reference strips EOS from its responses, so a final EOS is never one of its cutpoints.
-    end = len(token_ids) - 1 if token_ids and token_ids[-1] in eos_token_ids else len(token_ids)
+    end = length_without_final_eos(token_ids, eos_token_ids)
     low = await low_probability_tokens(
         generate, request_id, prompt_ids, list(token_ids[:end]), log_probs[:end], sampling_params,
         settings.cutpoint_threshold,

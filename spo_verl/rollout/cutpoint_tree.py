@@ -19,7 +19,7 @@ import asyncio
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from spo_verl.algorithms.segments import select_cutpoints
+from spo_verl.algorithms.segments import length_without_final_eos, select_cutpoints
 from spo_verl.config import CutpointTreeSettings
 from spo_verl.rollout.chain import low_probability_tokens
 from spo_verl.rollout.server_output import check_not_aborted
@@ -54,7 +54,7 @@ async def fork_points(generate: Generate, request_id: str, prompt_ids: list[int]
     """Offsets in ``token_ids`` (sampled after ``prompt_ids``) where the path forks: every
     ``interval``-th low-probability token, at most ``max_forks``; a final EOS never forks. Also the
     generate calls spent deciding which tokens have low probability."""
-    end = len(token_ids) - 1 if token_ids and token_ids[-1] in eos_token_ids else len(token_ids)
+    end = length_without_final_eos(token_ids, eos_token_ids)
     low = await low_probability_tokens(generate, request_id, prompt_ids, token_ids[:end], log_probs[:end],
                                        sampling_params, settings.threshold)
     return select_cutpoints(low.positions, settings.interval)[: settings.max_forks], low.requests

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from spo_verl.algorithms.segments import cut_by_length_limit
 from spo_verl.rollout.server_output import check_not_aborted
 
 Generate = Callable[..., Awaitable[Any]]
@@ -87,8 +88,8 @@ class SampledTree:
 
 
 def _is_stop(token_ids: Sequence[int], max_tokens: int, eos_token_ids: Collection[int]) -> bool:
-    # verl reports "completed" for both EOS and the length limit: check the last token.
-    return bool(token_ids) and (token_ids[-1] in eos_token_ids or len(token_ids) < max_tokens)
+    """A segment that ended before its budget (an EOS, or the server's own stop): its node gets no children."""
+    return bool(token_ids) and not cut_by_length_limit(token_ids, max_tokens, eos_token_ids)
 
 
 def block_aligned_budget(prefix_length: int, budget: int, block: int) -> int:

@@ -75,19 +75,14 @@ def legacy_responses(data, context, response_mask, chosen: list[int]) -> list[Sa
     uids = data.non_tensor_batch["uid"]
     prompt_width = data.batch["prompts"].shape[-1]
     attention = data.batch["attention_mask"].bool()
-    trained_mask = context.trained_mask if context is not None else None
     responses = []
     for i in chosen:
         length = int(attention[i, prompt_width:].sum())
-        mask = response_mask[i, :length]
-        trained = mask.bool() if trained_mask is None else mask.bool() & trained_mask[i, :length].bool()
-        responses.append(SampledResponse(
-            batch_index=i, uid=str(uids[i]), row=context.rows[i] if context is not None else None,
-            prompt_ids=data.batch["prompts"][i][attention[i, :prompt_width]].tolist(),
-            response_ids=data.batch["responses"][i, :length].tolist(),
-            log_probs=data.batch["old_log_probs"][i, :length], response_mask=mask,
-            advantages=data.batch["advantages"][i, :length], trained=trained,
-            score=float(data.batch["token_level_scores"][i].sum()),
+        responses.append(SampledResponse.of_row(
+            context, i, str(uids[i]), data.batch["prompts"][i][attention[i, :prompt_width]].tolist(),
+            data.batch["responses"][i, :length].tolist(), data.batch["old_log_probs"][i, :length],
+            response_mask[i, :length], data.batch["advantages"][i, :length],
+            float(data.batch["token_level_scores"][i].sum()),
         ))
     return responses
 

@@ -41,10 +41,7 @@ def packed_training_settings(config: Any) -> PackedTrainingSettings | None:
     settings = parse_spo_settings(config.algorithm.get("spo"))
     if not settings.packed_training:
         return None
-    return PackedTrainingSettings(chunk_tokens=settings.packed_chunk_tokens,
-                                  check_updates=int(settings.packed_training_check),
-                                  max_token_ratio=settings.packed_max_token_ratio,
-                                  prob_mask_threshold=settings.prob_mask.threshold)
+    return PackedTrainingSettings.from_spo(settings)
 
 
 def use_packed_worker(role_worker_mapping: dict, config: Any) -> bool:

@@ -80,6 +80,19 @@ class SampledResponse:
     def __post_init__(self):
         self.row = from_extra_field(self.row)
 
+    @classmethod
+    def of_row(cls, context, index: int, uid: str, prompt_ids: list[int], response_ids: list[int],
+               log_probs: torch.Tensor, response_mask: torch.Tensor, advantages: torch.Tensor,
+               score: float) -> SampledResponse:
+        """Row ``index`` of a step's batch as either trainer reads it; ``context``: the step's
+        SPOBatchContext (None for a baseline), whose rows and trained mask it takes."""
+        trained = response_mask.bool()
+        if context is not None and context.trained_mask is not None:
+            trained = trained & context.trained_mask[index, :response_mask.numel()].bool()
+        return cls(batch_index=index, uid=uid, row=context.rows[index] if context is not None else None,
+                   prompt_ids=prompt_ids, response_ids=response_ids, log_probs=log_probs, response_mask=response_mask,
+                   advantages=advantages, trained=trained, score=score)
+
 
 def _usable(index: int, uids, lengths, rows, padding) -> bool:
     if lengths[index] <= 0 or is_padding_uid(uids[index]):

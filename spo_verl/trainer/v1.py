@@ -153,19 +153,10 @@ class SPOTrainer(PPOTrainerSync):
         fields = {name: list(data[name].unbind()) for name in data.keys()}
         masks = list(stored["response_mask"].unbind())
         uids = _stored_uids(stored)
-        trained_mask = context.trained_mask if context is not None else None
-        responses = []
-        for j, i in enumerate(chosen):
-            mask = masks[i]
-            length = mask.numel()
-            trained = mask.bool() if trained_mask is None else mask.bool() & trained_mask[i, :length].bool()
-            responses.append(SampledResponse(
-                batch_index=i, uid=uids[i], row=context.rows[i] if context is not None else None,
-                prompt_ids=fields["prompts"][j].tolist(), response_ids=fields["responses"][j].tolist(),
-                log_probs=fields["old_log_probs"][j], response_mask=mask, advantages=fields["advantages"][j],
-                trained=trained, score=float(fields["rm_scores"][j].sum()),
-            ))
-        return responses
+        return [SampledResponse.of_row(context, i, uids[i], fields["prompts"][j].tolist(), fields["responses"][j].tolist(),
+                                       fields["old_log_probs"][j], masks[i], fields["advantages"][j],
+                                       float(fields["rm_scores"][j].sum()))
+                for j, i in enumerate(chosen)]
 
     def _credit_metrics(self, batch, stored, context, metrics: dict) -> None:
         """``algorithm.spo.credit_metrics``: ``spo/credit/*`` over every real row of the step."""
