@@ -77,6 +77,7 @@ def trainer(adv_estimator="spo_tree", **spo):
     )
     instance = SPOTrainer.__new__(SPOTrainer)  # no workers: only the advantage step is exercised
     instance.config = config
+    instance.init_spo_state()
     return instance
 
 

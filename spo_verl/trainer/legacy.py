@@ -107,6 +107,10 @@ def after_legacy_advantages(trainer, data, context, response_mask) -> dict[str, 
 
 
 class SPORayPPOTrainer(RayPPOTrainer):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._token_budget = GeneratedTokenBudget(spo_settings_of(self).generated_token_budget)
+
     def _create_dataloader(self, *args, **kwargs):
         super()._create_dataloader(*args, **kwargs)
         plain_validation(self)
@@ -146,7 +150,5 @@ class SPORayPPOTrainer(RayPPOTrainer):
         metrics = output.meta_info["metrics"]
         lift_spo_metrics(metrics)
         metrics.update(spo_metrics)
-        if not hasattr(self, "_token_budget"):
-            self._token_budget = GeneratedTokenBudget(settings.generated_token_budget)
         self._token_budget.record(self, step_tokens, metrics)
         return output

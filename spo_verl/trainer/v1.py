@@ -76,6 +76,13 @@ class SPOTrainer(PPOTrainerSync):
         with open_dict(config):
             config.trainer.v1.trainer_mode = "sync"
         super().__init__(config)
+        self.init_spo_state()
+
+    def init_spo_state(self) -> None:
+        """What SPO keeps across a run's hooks: the token budget, and the rows whose trained mask is not
+        empty, from a step's advantage step to its actor update."""
+        self._token_budget = GeneratedTokenBudget(spo_settings_of(self).generated_token_budget)
+        self._spo_rows_to_train = None
 
     def init(self):
         super().init()
@@ -137,8 +144,6 @@ class SPOTrainer(PPOTrainerSync):
 
     def _count_generated_tokens(self, batch, response_mask, metrics: dict) -> None:
         """``spo/generated_tokens`` of this step (padding rows excluded) and the token budget's stop."""
-        if not hasattr(self, "_token_budget"):
-            self._token_budget = GeneratedTokenBudget(spo_settings_of(self).generated_token_budget)
         real_rows = [not tag.get("is_padding", False) for tag in batch.tags]
         response_tokens = sum(float(mask.sum()) for mask, real in zip(response_mask.unbind(), real_rows) if real)
         self._token_budget.record(self, step_generated_tokens(response_tokens, metrics), metrics)
@@ -181,7 +186,7 @@ class SPOTrainer(PPOTrainerSync):
         )
 
     def _update_actor(self, batch, metrics: dict):
-        rows = getattr(self, "_spo_rows_to_train", None)
+        rows = self._spo_rows_to_train
         self._spo_rows_to_train = None
         if rows is None or bool(rows.all()):
             batch = super()._update_actor(batch, metrics)
