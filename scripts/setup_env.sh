@@ -43,11 +43,14 @@ quiet_pip_noise() { grep -v "is ignored: it is neither a file nor a directory" >
 if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [[ $(id -u) -eq 0 ]]; then
   apt-get install -y -qq chromium >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null; }
 fi
-"$venv/bin/python" - <<'PY'
+# Imported with bytecode kept: the stack's common modules are compiled once, here, not by the suite's
+# first processes all at once.
+env -u PYTHONDONTWRITEBYTECODE "$venv/bin/python" - <<'PY'
 import importlib
 for name in ("torch", "verl", "vllm", "transformers", "transfer_queue", "spo_verl"):
     mod = importlib.import_module(name)
     print(f"setup: {name} {getattr(mod, '__version__', '')}")
+import spo_verl.register, verl.trainer.main_ppo  # noqa: E401,F401  what every run's processes import
 PY
 echo "$want_stamp" > "$stamp"
 echo "setup: done"
