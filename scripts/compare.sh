@@ -10,4 +10,4 @@ cd "$repo_root"
 default_python=python3
 [[ -x "$repo_root/.venv/bin/python" ]] && default_python="$repo_root/.venv/bin/python"
 export PYTHON="${PYTHON:-$default_python}"
-exec "$PYTHON" -m spo_verl.study "$@"
+exec "$PYTHON" -m spo_verl.tools.study.compare "$@"

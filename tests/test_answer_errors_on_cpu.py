@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from spo_verl.cpu_settings import smollm2
-from spo_verl.cpu_settings.answer_errors import (count_kinds, error_kind, expected_steps, first_error, first_error_token,
+from spo_verl.tools.cpu_settings import smollm2
+from spo_verl.core.credit.answer_errors import (count_kinds, error_kind, expected_steps, first_error, first_error_token,
                                                   main, question_of)
 
 

@@ -1,7 +1,7 @@
 """Per-response caps of SPO-chain's Monte Carlo cost."""
 
-from spo_verl.config import parse_spo_settings
-from spo_verl.rollout.chain import cap_boundaries
+from spo_verl.core.config import parse_spo_settings
+from spo_verl.core.rollout.chain import cap_boundaries
 
 
 def chain(**settings):

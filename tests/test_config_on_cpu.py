@@ -7,9 +7,9 @@ from omegaconf import OmegaConf
 from verl.utils.config import omega_conf_to_dataclass
 
 import spo_verl.register  # noqa: F401
-from spo_verl.config import SPOConfigError, parse_spo_settings, tree_segment_budgets
-from spo_verl.policy_loss import SPOPolicyLossConfig
-from spo_verl.testing.verl_harness import compose_ppo_trainer
+from spo_verl.core.config import SPOConfigError, parse_spo_settings, tree_segment_budgets
+from spo_verl.adapters.policy_loss import SPOPolicyLossConfig
+from spo_verl.tools.testing.verl_harness import compose_ppo_trainer
 
 
 
@@ -59,7 +59,7 @@ def compose_verl(overrides):
 SPO_LOSS_OVERRIDES = [
     "algorithm.adv_estimator=spo_tree",
     "actor_rollout_ref.actor.policy_loss.loss_mode=spo_prob_mask",
-    "actor_rollout_ref.actor.policy_loss._target_=spo_verl.policy_loss.SPOPolicyLossConfig",
+    "actor_rollout_ref.actor.policy_loss._target_=spo_verl.adapters.policy_loss.SPOPolicyLossConfig",
     "+actor_rollout_ref.actor.policy_loss.spo=${algorithm.spo}",
     "actor_rollout_ref.rollout.n=4",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",

@@ -23,7 +23,7 @@ CHECKS = textwrap.dedent(
     import importlib.metadata, inspect, json, os, sys, types
     results = {}
     import verl  # loads the plugin; VERL_PLATFORM=spo_cpu activates the platform
-    from spo_verl.cpu_platform import workarounds as workarounds_module
+    from spo_verl.adapters.cpu_platform import workarounds as workarounds_module
     from verl.utils.device import get_device_name, get_device_id, get_nccl_backend, get_torch_device, is_support_ipc
     from verl.plugin.platform.platform_manager import get_platform
     results["platform"] = type(get_platform()).__name__
@@ -104,7 +104,7 @@ CHECKS = textwrap.dedent(
     }
 
     # idempotent: applying everything again changes nothing
-    from spo_verl.cpu_platform import activate, workarounds
+    from spo_verl.adapters.cpu_platform import activate, workarounds
     before = [distributed.initialize_global_process_group_ray, importlib.metadata.version,
               vllm_async_server.vLLMHttpServer._get_worker_extension_cls, transformer_impl.CPUOffloadPolicy,
               model_utils.load_valuehead_model, ray_base.RayWorkerGroup.__init__]
@@ -200,7 +200,7 @@ def test_vllm_version_workaround(results):
 
 
 def test_weight_sync_workaround(results):
-    assert results["extension"] == ["spo_verl.cpu_platform.vllm_weight_sync.CPUWeightSyncExtension", True]
+    assert results["extension"] == ["spo_verl.adapters.cpu_platform.vllm_weight_sync.CPUWeightSyncExtension", True]
 
 
 def test_pinned_memory_workaround(results):
@@ -235,7 +235,7 @@ def test_gpu_users_never_load_the_platform():
         import verl, spo_verl.register
         from verl.plugin.platform.platform_manager import PlatformRegistry
         print("RESULTS" + json.dumps({
-            "loaded": [m for m in sys.modules if m.startswith("spo_verl.cpu_platform.")],
+            "loaded": [m for m in sys.modules if m.startswith("spo_verl.adapters.cpu_platform.")],
             "registered": PlatformRegistry.get("spo_cpu") is not None,
             "version_patched": hasattr(importlib.metadata.version, "__spo_cpu_workaround__"),
         }))

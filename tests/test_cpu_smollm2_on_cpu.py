@@ -19,8 +19,8 @@ import torch
 
 from omegaconf import OmegaConf
 
-import spo_verl.config  # noqa: F401  the recipe's resolvers (spo_rows_tokens)
-from spo_verl.cpu_settings import smollm2 as cpu_smollm2
+import spo_verl.core.config  # noqa: F401  the recipe's resolvers (spo_rows_tokens)
+from spo_verl.tools.cpu_settings import smollm2 as cpu_smollm2
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The credit measures (spo_verl.credit.blame) with exact numbers on hand-built advantages: an estimator
+"""The credit measures (spo_verl.core.credit.blame) with exact numbers on hand-built advantages: an estimator
 that localises an error perfectly, GRPO's uniform advantage, the probability mask, and the net advantage
 of identical tokens in the same context; and the rollouts they read, through verl's agent loop and
 advantage step on verl's server."""
@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from spo_verl.credit.blame import Blame, Response, blame, bootstrap, negative_position, net_advantages, summarise
+from spo_verl.core.credit.blame import Blame, Response, blame, bootstrap, negative_position, net_advantages, summarise
 
 
 def response(uid, rid, reward, tokens, advantages, in_loss=None, trained=(), first_error=None):
@@ -98,7 +98,7 @@ def test_inconsistent_responses_are_refused():
 
 
 def test_online_metrics_of_a_step_name_every_measure_and_leave_out_what_is_undefined():
-    from spo_verl.credit.online import credit_metrics
+    from spo_verl.core.credit.online import credit_metrics
 
     # A perfect localiser on p0 (its wrong answer's negative mass all from token 2 on); p1 has one
     # wrong answer nobody blames and one whose error could not be placed.
@@ -120,7 +120,7 @@ def test_online_metrics_of_a_step_name_every_measure_and_leave_out_what_is_undef
 
 
 def test_value_check_prefixes_cover_boundaries_and_both_sides_of_the_first_error_round_robin():
-    from spo_verl.credit.values import Prefix, choose_prefixes
+    from spo_verl.tools.credit.values import Prefix, choose_prefixes
 
     boundaries = [[0, 4, 9], [0, 3], [0, 5], [0, 2]]
     first_errors = [6, None, 3, None]
@@ -136,7 +136,7 @@ def test_value_check_prefixes_cover_boundaries_and_both_sides_of_the_first_error
 
 
 def test_value_check_summary_bias_spread_and_the_change_across_the_error():
-    from spo_verl.credit.values import ValueRow, steps, summary
+    from spo_verl.tools.credit.values import ValueRow, steps, summary
 
     def row(rid, reward, error, length, kind, estimate, reference):
         return ValueRow("p", rid, reward, error, length, kind, estimate, 4, reference, 32)
@@ -172,8 +172,8 @@ async def test_tree_and_grpo_advantages_of_the_same_leaves_through_verl(llm_clie
     one number, its reward against its prompt's others in verl's normalisation."""
     import statistics
 
-    from spo_verl.algorithms import tree_advantages, tree_values
-    from spo_verl.credit.rollouts import TreeSetup, rollout_config, sample_rollouts, tree_and_grpo_responses
+    from spo_verl.core.algorithms import tree_advantages, tree_values
+    from spo_verl.tools.credit.rollouts import TreeSetup, rollout_config, sample_rollouts, tree_and_grpo_responses
 
     model_dir, tokenizer = tiny_model
     setup = TreeSetup("test", (3, 2), (6,))
@@ -244,8 +244,8 @@ async def test_chain_and_grpo_advantages_of_the_same_chains_and_their_values_che
     the chosen prefixes with the estimate's and the reference's numbers of continuations."""
     import statistics
 
-    from spo_verl.credit.rollouts import ChainSetup, chain_and_grpo_responses, rollout_config, sample_rollouts
-    from spo_verl.credit.values import choose_prefixes, value_prefixes
+    from spo_verl.tools.credit.rollouts import ChainSetup, chain_and_grpo_responses, rollout_config, sample_rollouts
+    from spo_verl.tools.credit.values import choose_prefixes, value_prefixes
 
     model_dir, tokenizer = tiny_model
     setup = ChainSetup("test", responses=3, cutpoint_interval=1, mc_samples=2)
@@ -291,8 +291,8 @@ async def test_chain_and_grpo_advantages_of_the_same_chains_and_their_values_che
 
 def test_the_tables_recompute_from_responses_csv(tmp_path):
     """responses.csv holds everything the measures need: read back, it gives the same summary."""
-    from spo_verl.credit.__main__ import Task, read_responses, summary_rows, write_responses, write_summary
-    from spo_verl.credit.rollouts import TreeSetup
+    from spo_verl.tools.credit.__main__ import Task, read_responses, summary_rows, write_responses, write_summary
+    from spo_verl.tools.credit.rollouts import TreeSetup
 
     task = Task("steps3", 3, "model", [], 0, 0, {})
     setup = TreeSetup("study", (2, 2), (10,))
@@ -317,7 +317,7 @@ def test_the_tables_recompute_from_responses_csv(tmp_path):
 
 
 def test_the_paired_difference_to_grpo_is_over_the_same_responses():
-    from spo_verl.credit.blame import paired_difference
+    from spo_verl.core.credit.blame import paired_difference
 
     spo = [[response("p", "a", 0.0, [1, 2, 3, 4], [0, 0, -1, -1], first_error=2),
             response("p", "b", 0.0, [1, 5, 6, 7], [0, -1, -1, -1], first_error=3)]]

@@ -2,11 +2,11 @@
 user starts them (``scripts/run_*.sh``, which run the recipe's entry point ``recipe.spo.main_spo``):
 verl's TaskRunner and Ray worker groups, the FSDP2 engine training on gloo, verl's vLLM server on
 vLLM's CPU backend, verl's GSM8K reward, the SPO advantage step and loss, and verl's actor -> vLLM
-weight sync, on the tiny ``cpu-tiny`` setting (spo_verl/cpu_settings/tiny.py). The README's command, with
+weight sync, on the tiny ``cpu-tiny`` setting (spo_verl/tools/cpu_settings/tiny.py). The README's command, with
 no settings, trains the CPU default (``cpu-smollm2``: SmolLM2-135M, whose tied head must sync into
 vLLM) for two steps, and the study command ``scripts/compare.sh --quick`` (SPO-tree, then SPO-chain) is
 stopped after its first checkpoint, resumed (SPO-tree alone, then validated by sampling) and run once
-more (SPO-chain), report included. The credit command's quick form (``python -m spo_verl.credit
+more (SPO-chain), report included. The credit command's quick form (``python -m spo_verl.tools.credit
 --quick``) runs beside them.
 
 A run costs about two minutes of two cores, almost all of it verl, Ray and vLLM starting (the table
@@ -36,8 +36,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from spo_verl.cpu_settings import tiny as cpu_default
-from spo_verl.metrics_log import read_logged_steps
+from spo_verl.tools.cpu_settings import tiny as cpu_default
+from spo_verl.tools.metrics_log import read_logged_steps
 
 pytestmark = pytest.mark.end_to_end
 
@@ -201,7 +201,7 @@ def _run_readme_command(work: Path) -> Run:
     """``bash scripts/run_spo_tree.sh`` with no settings, as the README shows it: on a machine without a
     GPU it must pick the CPU default (SmolLM2) itself. Only the model cache (built here, in the run's
     slot) and the number of steps are the tests' own."""
-    from spo_verl.cpu_settings import smollm2 as cpu_smollm2
+    from spo_verl.tools.cpu_settings import smollm2 as cpu_smollm2
 
     work.mkdir(parents=True)
     smollm2_folder = work / "cpu-smollm2"
@@ -218,14 +218,14 @@ def _run_readme_command(work: Path) -> Run:
 
 
 def _run_credit_command(work: Path, cache: Path) -> Run:
-    """``python -m spo_verl.credit --quick``: trees on cpu-tiny through verl's agent loop and server, the
+    """``python -m spo_verl.tools.credit --quick``: trees on cpu-tiny through verl's agent loop and server, the
     estimators through verl's advantage step, the CSVs and the table."""
     work.mkdir(parents=True)
     env = {**os.environ, "SPO_CPU_CACHE": str(cache)}
     started = time.perf_counter()
     log = work / "credit.log"
     with open(log, "w") as out:
-        process = subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-m", "spo_verl.credit", "--quick", "--prompts",
+        process = subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-m", "spo_verl.tools.credit", "--quick", "--prompts",
                                   "4", "--output-dir", str(work / "output")], cwd=REPO, env=env, stdout=out,
                                  stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S)
     return Run(process.returncode, log, [], time.perf_counter() - started)

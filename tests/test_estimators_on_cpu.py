@@ -9,8 +9,8 @@ from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 from verl.trainer.ppo.ray_trainer import compute_advantage
 
 import spo_verl.register  # noqa: F401
-from spo_verl.batch_context import provide_spo_rows
-from spo_verl.estimators import SPOMetadataMissingError
+from spo_verl.core.batch_context import provide_spo_rows
+from spo_verl.adapters.estimators import SPOMetadataMissingError
 
 CHAIN_PROBS = [0.99, 0.72, 1.0, 0.85, 1.0, 0.56, 0.92, 0.23, 0.98, 0.11, 1.0]
 
@@ -186,7 +186,7 @@ def test_legacy_stand_in_copies_train_nothing():
 
 
 def test_per_prompt_budget_of_trained_segments():
-    from spo_verl.algorithms.tree_rows import tree_token_advantages
+    from spo_verl.core.algorithms.tree_rows import tree_token_advantages
 
     _, rows = paper_tree_batch(with_padding=False)
     rewards = torch.tensor([1.0, 0, 1, 1, 1, 1, 0, 0, 0])
@@ -221,8 +221,8 @@ def test_budget_reaches_the_estimator_from_the_settings():
 def test_tree_estimator_is_bit_exact_with_the_tree_rows_and_its_errors_name_the_first_bad_row():
     """The estimator's fast reading of the rows (and its one-tree-per-uid check) against the row by
     row version: the benchmark's tree batch with padding and an early-stopped leaf, then bad rows."""
-    from spo_verl.algorithms.tree_rows import tree_token_advantages
-    from spo_verl.benchmarks.maths import tree_batch
+    from spo_verl.core.algorithms.tree_rows import tree_token_advantages
+    from spo_verl.tools.benchmarks.maths import tree_batch
 
     data = tree_batch(quick=True)
     rows = [dict(row) for row in data.rows]

@@ -19,20 +19,20 @@ from verl.workers.config import ActorConfig
 from verl.workers.rollout.replica import TokenOutput
 
 import spo_verl.register  # noqa: F401
-from spo_verl.agent_loops.chain_agent_loop import SPOChainAgentLoop
-from spo_verl.algorithms.segments import cut_by_length_limit, cutpoint_segment_starts, select_cutpoints
-from spo_verl.batch_context import SPOBatchContext, provide_spo_rows
-from spo_verl.config import SPOConfigError, parse_spo_settings
-from spo_verl.policy_loss import SPOPolicyLossConfig, spo_ppo_loss
-from spo_verl.rewards import compute_score
-from spo_verl.rollout.chain import (
+from spo_verl.adapters.agent_loops.chain_agent_loop import SPOChainAgentLoop
+from spo_verl.core.algorithms.segments import cut_by_length_limit, cutpoint_segment_starts, select_cutpoints
+from spo_verl.core.batch_context import SPOBatchContext, provide_spo_rows
+from spo_verl.core.config import SPOConfigError, parse_spo_settings
+from spo_verl.adapters.policy_loss import SPOPolicyLossConfig, spo_ppo_loss
+from spo_verl.adapters.rewards import compute_score
+from spo_verl.core.rollout.chain import (
     low_probability_from_sampler,
     low_probability_tokens,
     monte_carlo_value,
     segment_starts,
 )
-from spo_verl.testing.verl_harness import compose_ppo_trainer, loss_batch, run_sessions
-from spo_verl.trainer.common import batch_metrics
+from spo_verl.tools.testing.verl_harness import compose_ppo_trainer, loss_batch, run_sessions
+from spo_verl.adapters.trainer.common import batch_metrics
 
 in_session_loop = pytest.mark.asyncio(loop_scope="session")  # the server's client lives there
 EOS = 99
@@ -291,7 +291,7 @@ def test_reference_reward_rule(data_source, text, truth, score):
 
 
 def test_reference_reward_is_selected_with_verls_custom_reward_function():
-    selection = {"path": "pkg://spo_verl.rewards", "name": "compute_score"}
+    selection = {"path": "pkg://spo_verl.adapters.rewards", "name": "compute_score"}
     score = get_custom_reward_fn(OmegaConf.create({"reward": {"custom_reward_function": selection}}))
     result = score(data_source="openai/gsm8k", solution_str="#### 7", ground_truth="7", extra_info={})
     assert result == {"score": 1.0, "acc": 1.0}
@@ -422,7 +422,7 @@ async def test_chain_loop_cutpoints_truncation_flag_and_reference_reward(llm_cli
         "actor_rollout_ref.rollout.n=2",
         f"actor_rollout_ref.rollout.response_length={response_length}",
         "actor_rollout_ref.rollout.prompt_length=64",
-        "reward.custom_reward_function.path=pkg://spo_verl.rewards",
+        "reward.custom_reward_function.path=pkg://spo_verl.adapters.rewards",
         "reward.custom_reward_function.name=compute_score",
         "+algorithm.spo.chain.mc_samples=2",
         f"+algorithm.spo.chain.cutpoint_interval={interval}",

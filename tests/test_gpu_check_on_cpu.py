@@ -1,4 +1,4 @@
-"""The prepared GPU check (``bash scripts/gpu_check.sh``, spo_verl/benchmarks/gpu_check.py) in its dry run: the
+"""The prepared GPU check (``bash scripts/gpu_check.sh``, spo_verl/tools/benchmarks/gpu_check.py) in its dry run: the
 code the GPU runs, on the CPU with tiny shapes in float32. Its rows are in the targets table's shape, its CSV
 has every column and every figure of its Markdown (the Markdown re-rendered from the CSV alone is the same
 text), and packed equals per-row to float32 tolerance in every case. Without a CUDA device and without
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from spo_verl.benchmarks import gpu_report
-from spo_verl.benchmarks.gpu_check import COLUMNS, read_csv
-from spo_verl.benchmarks.gpu_packing import CASES
+from spo_verl.tools.benchmarks import gpu_report
+from spo_verl.tools.benchmarks.gpu_check import COLUMNS, read_csv
+from spo_verl.tools.benchmarks.gpu_packing import CASES
 
 REPO = Path(__file__).resolve().parents[1]
 HEADER = "| measurement | target | measured | result |"

@@ -1,6 +1,6 @@
 """A GPU setting on a machine or Python that cannot train it stops before Ray, in seconds, saying what
 was checked; the launcher never takes the set-up script's CPU .venv for a GPU run
-(spo_verl/gpu_environment.py, scripts/spo_launch.sh)."""
+(spo_verl/tools/gpu_environment.py, scripts/spo_launch.sh)."""
 
 import os
 import subprocess
@@ -42,7 +42,7 @@ def test_a_gpu_run_uses_the_clusters_python_not_the_cpu_venv(tmp_path):
     result = subprocess.run(["bash", str(REPO / "scripts" / "run_spo_tree.sh")], env={**env, "SETTING": "math-r1-1.5b"},
                             capture_output=True, text=True, timeout=120, cwd="/")
     assert result.returncode == 2
-    assert f"cluster python3: {REPO}/spo_verl/gpu_environment.py math-r1-1.5b" in result.stderr
+    assert f"cluster python3: {REPO}/spo_verl/tools/gpu_environment.py math-r1-1.5b" in result.stderr
 
 
 def test_a_missing_python_and_an_unknown_setting_are_named():

@@ -1,29 +1,24 @@
 """The package's three layers (docs/LAYOUT.md) and the direction of their imports: the SPO core imports
 neither verl nor vLLM, Ray or TransferQueue, nor anything of the package outside the core; the verl
-adapters import no tool; only tools and tests import the test harness (``spo_verl.testing``)."""
+adapters import no tool; only tools and tests import the test harness (``spo_verl.tools.testing``)."""
 
 import ast
+import importlib
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+import spo_verl
+
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "spo_verl"
 
-# Module prefixes of each layer; a module in neither is a tool (study, report, benchmarks, credit
-# command, CPU settings, data, test harness, launcher checks).
-CORE = ("spo_verl.algorithms", "spo_verl.rollout", "spo_verl.config", "spo_verl.metadata", "spo_verl.batch_context",
-        "spo_verl.packing.tree_pack", "spo_verl.packing.packed_forward", "spo_verl.packing.cascade_attention",
-        "spo_verl.packing.verl_rows")
-CORE_PACKAGES = ("spo_verl.packing",)  # its __init__ re-exports the core's packing only
-ADAPTERS = ("spo_verl.register", "spo_verl.estimators", "spo_verl.policy_loss", "spo_verl.rewards",
-            "spo_verl.agent_loops", "spo_verl.trainer", "spo_verl.cpu_platform", "spo_verl.packing.engine",
-            "spo_verl.packing.micro_batches")
-# The one adapter -> tool edge: the online credit metrics (spo/credit/*) use the credit command's
-# measures and the CPU tasks' step checker, both free of verl; they belong in the core.
-ADAPTER_USES_OF_TOOLS = {("spo_verl.trainer.credit_step", "spo_verl.cpu_settings.answer_errors"),
-                         ("spo_verl.trainer.credit_step", "spo_verl.credit.blame"),
-                         ("spo_verl.trainer.credit_step", "spo_verl.credit.online")}
+# Each layer is a folder of the package; at its top only the package itself and verl's plugin entry point.
+CORE, ADAPTERS, TOOLS = "spo_verl.core", "spo_verl.adapters", "spo_verl.tools"
+ENTRY_POINTS = {"spo_verl", "spo_verl.register"}
 FRAMEWORKS = ("verl", "vllm", "ray", "transfer_queue")
 
 
@@ -32,11 +27,12 @@ def _name(path: Path) -> str:
 
 
 def _layer(module: str) -> str:
-    if module in CORE_PACKAGES or module.startswith(CORE):
+    """The layer of a module of the package; the entry points count as adapters (they import verl)."""
+    if module == CORE or module.startswith(CORE + "."):
         return "core"
-    if module.startswith(ADAPTERS):
-        return "adapter"
-    return "tool"
+    if module == TOOLS or module.startswith(TOOLS + "."):
+        return "tool"
+    return "adapter"
 
 
 def _imports(path: Path) -> set[str]:
@@ -53,11 +49,11 @@ def _imports(path: Path) -> set[str]:
 MODULES = {_name(path): _imports(path) for path in sorted(PACKAGE.rglob("*.py"))}
 
 
-def test_every_layer_has_modules_and_every_prefix_names_one():
-    layers = {module: _layer(module) for module in MODULES}
-    assert {"core", "adapter", "tool"} == set(layers.values())
-    for prefix in (*CORE, *ADAPTERS):
-        assert any(module == prefix or module.startswith(prefix + ".") for module in MODULES), prefix
+def test_every_module_lies_in_a_layers_folder_but_the_entry_points():
+    outside = {module for module in MODULES if not module.startswith((CORE, ADAPTERS, TOOLS))}
+    assert outside == ENTRY_POINTS
+    for layer in (CORE, ADAPTERS, TOOLS):
+        assert sum(module.startswith(layer + ".") for module in MODULES) >= 5, layer
 
 
 def test_the_core_imports_no_framework_and_nothing_outside_the_core():
@@ -80,7 +76,21 @@ def test_importing_the_whole_core_loads_no_framework():
 def test_adapters_import_no_tool_and_only_tools_import_the_test_harness():
     adapter_to_tool = {(module, imported) for module, imports in MODULES.items() if _layer(module) == "adapter"
                        for imported in imports if imported.startswith("spo_verl.") and _layer(imported) == "tool"}
-    assert adapter_to_tool == ADAPTER_USES_OF_TOOLS
+    assert not adapter_to_tool, sorted(adapter_to_tool)
     harness_users = {module for module, imports in MODULES.items()
-                     if any(imported.startswith("spo_verl.testing") for imported in imports)}
+                     if any(imported.startswith("spo_verl.tools.testing") for imported in imports)}
     assert all(_layer(module) == "tool" for module in harness_users), sorted(harness_users)
+
+
+def test_a_module_name_from_before_the_layers_is_refused_naming_its_new_place():
+    for old, new in spo_verl.MOVED_MODULES.items():
+        assert importlib.util.find_spec(f"spo_verl.{new}") is not None, new
+        assert f"spo_verl.{new}" in MODULES and f"spo_verl.{old}" not in MODULES
+    command = subprocess.run([sys.executable, "-m", "spo_verl.credit", "--help"], cwd=REPO, capture_output=True,
+                             text=True, timeout=120)
+    assert command.returncode != 0
+    assert "spo_verl.credit has moved: it is now spo_verl.tools.credit" in command.stderr
+    with pytest.raises(ModuleNotFoundError, match=r"spo_verl\.rewards has moved: it is now spo_verl\.adapters\.rewards"):
+        importlib.import_module("spo_verl.rewards")
+    with pytest.raises(ModuleNotFoundError, match="No module named 'spo_verl.no_such_module'"):
+        importlib.import_module("spo_verl.no_such_module")

@@ -1,6 +1,6 @@
 """Packed training through verl's own actor worker: verl's ``TrainingWorker`` with its FSDP2 engine on
 CPU (gloo, one process), verl's ``ppo_loss``, the same batch run per row and then packed by
-:func:`spo_verl.packing.engine.enable_packed_training` on the same engine.
+:func:`spo_verl.adapters.packing.engine.enable_packed_training` on the same engine.
 
 The batch holds what every algorithm's batches hold: random SPO trees (2-2; 3-3 with early EOS at
 depth 1; 2-2-2 with 1-6-token segments; a one-leaf tree); three prompt groups as GRPO, PPO and
@@ -29,14 +29,14 @@ import pytest
 CHECK = textwrap.dedent(
     r"""
     import json, random, sys
-    from spo_verl.testing.verl_engine import (start_process_group, build_actor_worker, tree_training_batch,
+    from spo_verl.tools.testing.verl_engine import (start_process_group, build_actor_worker, tree_training_batch,
                                               parameter_gradients)
     start_process_group()
     import torch, verl
     from transformers import AutoTokenizer
     from verl.workers.utils.padding import no_padding_2_padding
-    from spo_verl.packing.engine import PackedTrainingSettings, enable_packed_training
-    from spo_verl.testing.random_trees import tree_2_2, tree_2_2_2, tree_3_3_early, tree_one_leaf
+    from spo_verl.adapters.packing.engine import PackedTrainingSettings, enable_packed_training
+    from spo_verl.tools.testing.random_trees import tree_2_2, tree_2_2_2, tree_3_3_early, tree_one_leaf
 
     model_dir = sys.argv[1]
     torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""Prompt-aware micro-batches of packed training (spo_verl.packing.micro_batches): each uid's rows stay
+"""Prompt-aware micro-batches of packed training (spo_verl.adapters.packing.micro_batches): each uid's rows stay
 whole within the token budget, a group over it is cut into runs that each fit, costs are the packed
 (unique) token counts, every data-parallel rank gets the same number of micro-batches."""
 
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from spo_verl.packing.micro_batches import packed_token_count, tree_micro_batch_indices
+from spo_verl.adapters.packing.micro_batches import packed_token_count, tree_micro_batch_indices
 
 
 def distinct_prefixes(sequences) -> int:
@@ -77,7 +77,7 @@ def test_every_rank_runs_as_many_micro_batches_as_the_busiest():
 
 
 def test_v1_balancing_orders_rows_uid_by_uid():
-    from spo_verl.trainer.tree_balance import tree_order
+    from spo_verl.adapters.trainer.tree_balance import tree_order
 
     uids = ["b", "a", "b", "c", "a", "b", "pad1", "pad1"]
     assert tree_order(uids) == [0, 2, 5, 1, 4, 3, 6, 7]

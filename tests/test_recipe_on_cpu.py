@@ -18,8 +18,8 @@ from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, POLICY_LOSS_REGI
 from verl.trainer.ppo.utils import need_critic, need_reference_policy
 from verl.utils.config import omega_conf_to_dataclass, validate_config
 
-from spo_verl.policy_loss import SPOPolicyLossConfig
-from spo_verl.trainer.validation import validate_spo_run
+from spo_verl.adapters.policy_loss import SPOPolicyLossConfig
+from spo_verl.adapters.trainer.validation import validate_spo_run
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE_CONFIG = str(REPO / "recipe" / "spo" / "config")
@@ -143,9 +143,9 @@ def test_invalid_runs_fail_at_configuration_time(overrides, message):
     ],
 )
 def test_segments_shorter_than_a_cache_block_are_warned_about_at_configuration_time(overrides, warning, caplog):
-    with caplog.at_level("WARNING", logger="spo_verl.trainer.validation"):
+    with caplog.at_level("WARNING", logger="spo_verl.adapters.trainer.validation"):
         validate_spo_run(compose_recipe(*overrides))
-    messages = [record.getMessage() for record in caplog.records if record.name == "spo_verl.trainer.validation"]
+    messages = [record.getMessage() for record in caplog.records if record.name == "spo_verl.adapters.trainer.validation"]
     if warning is None:
         assert messages == []
     else:
@@ -210,7 +210,7 @@ def test_run_spo_tree_cfg_job_shows_the_algorithm_and_starts_nothing(tmp_path):
     assert "adv_estimator: spo_tree" in out
     assert "default_agent_loop: spo_tree" in out
     assert "loss_mode: spo_prob_mask" in out
-    assert "_target_: spo_verl.policy_loss.SPOPolicyLossConfig" in out
+    assert "_target_: spo_verl.adapters.policy_loss.SPOPolicyLossConfig" in out
     assert "branching:\n      - 6\n      - 6\n      - 6" in out
     assert re.search(r"logs -> console, tensorboard at /\S+ and /\S+\.jsonl; checkpoints -> "
                      + re.escape(f"{REPO}/checkpoints/spo/math-r1-1.5b-spo_tree"), out)
@@ -306,7 +306,7 @@ def test_the_reward_function_is_found_in_its_source_without_running_it(tmp_path)
 
     for path, name in [(reward_file, "compute_score"), (f"file://{reward_file}", "score_async"),
                        (reward_file, "tuned_score"), (reward_file, "close_enough"),
-                       ("pkg://spo_verl.rewards", "compute_score"), ("pkg://spo_verl/rewards", "compute_score")]:
+                       ("pkg://spo_verl.adapters.rewards", "compute_score"), ("pkg://spo_verl/adapters/rewards", "compute_score")]:
         validate_spo_run(reward(path, name))
     key = "reward.custom_reward_function"
     refusals = [
@@ -314,7 +314,7 @@ def test_the_reward_function_is_found_in_its_source_without_running_it(tmp_path)
          "functions: ['compute_score', 'score_async']"),
         ((tmp_path / "my_rewards.py", "compute_score"), f"{key}.path={tmp_path / 'my_rewards.py'}: no such file"),
         (("pkg://spo_verl.reward", "compute_score"), f"{key}.path=pkg://spo_verl.reward: no module named spo_verl.reward"),
-        (("pkg://spo_verl.rewards", "score"), f"{key}.name=score is not defined in {key}.path=pkg://spo_verl.rewards; "
+        (("pkg://spo_verl.adapters.rewards", "score"), f"{key}.name=score is not defined in {key}.path=pkg://spo_verl.adapters.rewards; "
          "its functions: ['_gsm8k_correct', '_math_correct', 'compute_score']"),
         (("pkg://no_such_package.rewards", "compute_score"),
          f"{key}.path=pkg://no_such_package.rewards: no module named no_such_package.rewards"),
@@ -353,7 +353,7 @@ def test_the_cluster_settings_names_pass(tiny_model):
     """The names the run scripts' cluster settings use, the reward function included."""
     for algorithm in ALGORITHMS:
         validate_spo_run(compose_recipe(f"spo_algorithm={algorithm}", f"actor_rollout_ref.model.path={tiny_model[0]}",
-                                        "reward.custom_reward_function.path=pkg://spo_verl.rewards",
+                                        "reward.custom_reward_function.path=pkg://spo_verl.adapters.rewards",
                                         "reward.custom_reward_function.name=compute_score"))
 
 
@@ -397,9 +397,9 @@ def test_every_setting_composes_with_every_algorithm(setting, tiny_model):
 
 @pytest.fixture
 def cpu_tiny_cache(tiny_model, tmp_path):
-    """A cpu-tiny cache folder (spo_verl/cpu_settings/cache.py) around the session's tiny model, without
+    """A cpu-tiny cache folder (spo_verl/tools/cpu_settings/cache.py) around the session's tiny model, without
     the setting's fine-tuning: a run refused before Ray never loads it."""
-    from spo_verl.cpu_settings import tiny
+    from spo_verl.tools.cpu_settings import tiny
 
     cache = tmp_path / "cpu-tiny"
     cache.mkdir()
@@ -481,7 +481,7 @@ def test_a_run_whose_ray_timed_out_starting_is_started_once_more(capsys):
     """Ray's raylet can miss its fixed 30 s to register on a busy machine, before the run starts: the entry
     point starts it once more, and only then and only once (the failure is injected: Ray cannot be made to
     time out on demand)."""
-    from spo_verl.trainer.runners import RAY_STARTUP_TIMEOUT, run_with_one_restart
+    from spo_verl.adapters.trainer.runners import RAY_STARTUP_TIMEOUT, run_with_one_restart
 
     calls = []
 

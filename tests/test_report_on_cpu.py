@@ -1,9 +1,9 @@
-"""python -m spo_verl.report on small recorded runs: every plot, CSV and the HTML page are produced, the
+"""python -m spo_verl.tools.report on small recorded runs: every plot, CSV and the HTML page are produced, the
 numbers are the ones recorded, and the page rendered by a real headless browser (Debian's chromium)
 is not blank and shows the segments and the tree it was given.
 
 The runs are recorded here with the same code the training runs use: verl's own FileLogger for the
-metrics and the sample log's functions (spo_verl.trainer.sample_log) for samples.jsonl, so neither
+metrics and the sample log's functions (spo_verl.adapters.trainer.sample_log) for samples.jsonl, so neither
 format can drift from what the report reads.
 
 Chromium: the browser check skips when /usr/bin/chromium is missing on a developer machine, and fails
@@ -22,9 +22,9 @@ import torch
 from omegaconf import OmegaConf
 from PIL import Image
 
-from spo_verl.batch_context import provide_spo_rows
-from spo_verl.estimators import compute_spo_chain_advantage, compute_spo_tree_advantage
-from spo_verl.trainer.sample_log import SAMPLES_FILE, SampledResponse, append_record, step_record
+from spo_verl.core.batch_context import provide_spo_rows
+from spo_verl.adapters.estimators import compute_spo_chain_advantage, compute_spo_tree_advantage
+from spo_verl.adapters.trainer.sample_log import SAMPLES_FILE, SampledResponse, append_record, step_record
 
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"
@@ -143,14 +143,14 @@ def recorded_runs(tmp_path_factory):
     monkeypatch.undo()
     output = root / "report"
     arguments = [argument for label, (metrics, samples) in runs.items() for argument in ("--run", f"{label}={metrics},{samples}")]
-    result = subprocess.run([sys.executable, "-m", "spo_verl.report", *arguments, "--output", str(output),
+    result = subprocess.run([sys.executable, "-m", "spo_verl.tools.report", *arguments, "--output", str(output),
                              "--title", "SPO on a recorded run"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return output
 
 
 def test_generated_tokens_prefer_the_runs_own_count():
-    from spo_verl.report.runs import generated_tokens
+    from spo_verl.tools.report.runs import generated_tokens
 
     step = training_step(0.5, 1.0, 1000, 10.0, 15.0)
     assert generated_tokens(step) == 600  # 1000 / (10 + 15) = 40 rows of 15 response tokens
@@ -161,7 +161,7 @@ def test_generated_tokens_prefer_the_runs_own_count():
 
 
 def test_the_algorithm_is_told_from_the_sample_log_or_the_metrics():
-    from spo_verl.report.runs import algorithm_of
+    from spo_verl.tools.report.runs import algorithm_of
 
     tree = {1: {"spo/tree/trees": 4.0}}
     cutpoint = {1: {"spo/tree/trees": 4.0, "spo/tree/paths_per_tree": 3.0}}
@@ -279,7 +279,7 @@ def test_seeds_of_one_algorithm_are_summarised_with_their_standard_error(tmp_pat
     """Runs labelled NAME/seed<k> are one group: results.csv has the seed, groups.csv the mean and the
     standard error over seeds of the final and best held-out accuracy (best counts validations after
     step 0 only), and the base model's accuracy (step 0)."""
-    from spo_verl.report.__main__ import build_report
+    from spo_verl.tools.report.__main__ import build_report
 
     finals = {"spo_tree": [0.30, 0.40, 0.50], "grpo": [0.20, 0.30]}
     arguments = []

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from spo_verl.metadata import TreeLeafRow
+from spo_verl.core.metadata import TreeLeafRow
 from omegaconf import OmegaConf
 
-from spo_verl.batch_context import provide_spo_rows
-from spo_verl.config import SPOConfigError, parse_spo_settings
-from spo_verl.estimators import compute_spo_chain_advantage, compute_spo_tree_advantage
-from spo_verl.trainer.sample_log import SampledResponse, choose_rows, step_record
+from spo_verl.core.batch_context import provide_spo_rows
+from spo_verl.core.config import SPOConfigError, parse_spo_settings
+from spo_verl.adapters.estimators import compute_spo_chain_advantage, compute_spo_tree_advantage
+from spo_verl.adapters.trainer.sample_log import SampledResponse, choose_rows, step_record
 
 
 class CharTokenizer:
@@ -168,7 +168,7 @@ def test_choose_rows_skips_padding_and_takes_one_row_per_prompt_first():
 
 
 def test_an_unwritable_folder_does_not_stop_training(tmp_path, caplog):
-    from spo_verl.trainer.sample_log import log_step
+    from spo_verl.adapters.trainer.sample_log import log_step
 
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from spo_verl.study_verdict import at_budget, main, paired, t_quantile, validations
+from spo_verl.tools.study.verdict import at_budget, main, paired, t_quantile, validations
 
 
 def test_accuracy_at_the_budget_is_interpolated_between_the_validations_around_it():

@@ -4,8 +4,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from spo_verl.config import SPOConfigError, parse_spo_settings
-from spo_verl.trainer.token_budget import (
+from spo_verl.core.config import SPOConfigError, parse_spo_settings
+from spo_verl.adapters.trainer.token_budget import (
     GENERATED_TOKENS,
     GENERATED_TOKENS_CUMULATIVE,
     GeneratedTokenBudget,

@@ -13,10 +13,10 @@ from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
 from verl.trainer.ppo.ray_trainer import compute_advantage
 
-from spo_verl.batch_context import advantages_at_actor_update, advantages_deferred
-from spo_verl.estimators import SPOMetadataMissingError
-from spo_verl.trainer.legacy import SPORayPPOTrainer, spo_advantage_step
-from spo_verl.trainer.runners import _SPOLegacyTaskRunner
+from spo_verl.core.batch_context import advantages_at_actor_update, advantages_deferred
+from spo_verl.adapters.estimators import SPOMetadataMissingError
+from spo_verl.adapters.trainer.legacy import SPORayPPOTrainer, spo_advantage_step
+from spo_verl.adapters.trainer.runners import _SPOLegacyTaskRunner
 
 
 def algorithm(estimator="spo_tree", **spo):
@@ -133,7 +133,7 @@ def test_legacy_task_runner_builds_the_spo_trainer_and_leaves_verl_unchanged(mon
         def fit(self):
             built["fit"] = True
 
-    monkeypatch.setattr("spo_verl.trainer.runners.SPORayPPOTrainer", Recorder)
+    monkeypatch.setattr("spo_verl.adapters.trainer.runners.SPORayPPOTrainer", Recorder)
     monkeypatch.setattr(main_ppo_v0, "create_rl_dataset", lambda files, *a, is_train, **k: f"{is_train}:{files}")
     monkeypatch.setattr(main_ppo_v0, "create_rl_sampler", lambda data_config, dataset: f"sampler of {dataset}")
     monkeypatch.setattr(main_ppo_v0, "validate_config", lambda **kwargs: built.setdefault("validated", True))
@@ -189,7 +189,7 @@ def logging_trainer(directory, estimator, loss_mode="spo_prob_mask"):
 def actor_update_advantage_step(trainer, data, num_repeat):
     """What SPORayPPOTrainer._update_actor does before verl's update: fit's own advantage step has run
     (zeros for SPO, deferred), then the SPO step with the rows and the sample log."""
-    from spo_verl.trainer.legacy import after_legacy_advantages
+    from spo_verl.adapters.trainer.legacy import after_legacy_advantages
 
     algorithm = trainer.config.algorithm
     with advantages_at_actor_update():
@@ -201,7 +201,7 @@ def actor_update_advantage_step(trainer, data, num_repeat):
 
 
 def test_fit_writes_the_tree_of_a_step_to_the_sample_log(tmp_path):
-    from spo_verl.trainer.sample_log import SAMPLES_FILE, read_records
+    from spo_verl.adapters.trainer.sample_log import SAMPLES_FILE, read_records
 
     rows = [
         {"tree_id": "t", "path": [1, 3], "segment_ends": [2, 4], "trains": True},
@@ -223,7 +223,7 @@ def test_fit_writes_the_tree_of_a_step_to_the_sample_log(tmp_path):
 
 
 def test_fit_logs_baseline_samples_without_spo_metrics(tmp_path):
-    from spo_verl.trainer.sample_log import SAMPLES_FILE, read_records
+    from spo_verl.adapters.trainer.sample_log import SAMPLES_FILE, read_records
 
     data = after_old_log_probs([None] * 4, [1.0, 0.0, 1.0, 0.0], [3, 3, 2, 3], 3, ["g", "g", "h", "h"])
     out, metrics = actor_update_advantage_step(logging_trainer(tmp_path, "grpo", loss_mode="vanilla"), data, num_repeat=2)
@@ -260,7 +260,7 @@ def test_packed_training_keeps_each_uid_on_one_rank(packed):
 
 
 def test_the_trainer_parses_its_spo_settings_once(monkeypatch):
-    from spo_verl.trainer import common
+    from spo_verl.adapters.trainer import common
 
     calls = []
     monkeypatch.setattr(common, "parse_spo_settings", lambda raw: calls.append(raw) or object())
@@ -282,7 +282,7 @@ class TextTokenizer:
 def test_credit_metrics_read_the_legacy_batch_after_its_advantage_step():
     """algorithm.spo.credit_metrics on the legacy trainer: the problem read from the prompt (its last
     question), the first wrong step placed in the answer, GRPO's advantages measured exactly."""
-    from spo_verl.trainer.legacy import after_legacy_advantages
+    from spo_verl.adapters.trainer.legacy import after_legacy_advantages
 
     prompt = "What is 1 + 1? 1 + 1 = 2. #### 2\nWhat is 3 + 4 + 2?"
     right, wrong = "3 + 4 = 7. 7 + 2 = 9. #### 9", "3 + 4 = 8. 8 + 2 = 10. #### 10"
@@ -316,8 +316,8 @@ def test_credit_metrics_read_the_legacy_batch_after_its_advantage_step():
 
 def test_credit_metrics_leave_out_a_trees_stand_in_rows():
     """A stand-in row (a copy of a real leaf in an unused slot, ``trains`` false) is not a second answer."""
-    from spo_verl.trainer.credit_step import step_credit_metrics
-    from spo_verl.trainer.sample_log import SampledResponse
+    from spo_verl.adapters.trainer.credit_step import step_credit_metrics
+    from spo_verl.adapters.trainer.sample_log import SampledResponse
 
     prompt, wrong = "What is 3 + 4 + 2?", "3 + 4 = 8. 8 + 2 = 10. #### 10"
     ids = [ord(c) for c in wrong]

@@ -16,8 +16,8 @@ from transfer_queue import KVBatchMeta
 from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
 from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 
-from spo_verl.estimators import SPOMetadataMissingError
-from spo_verl.trainer.v1 import SPOTrainer, lift_spo_metrics
+from spo_verl.adapters.estimators import SPOMetadataMissingError
+from spo_verl.adapters.trainer.v1 import SPOTrainer, lift_spo_metrics
 
 PAPER_LEAF_REWARDS = [1, 0, 1, 1, 1, 1, 0, 0, 0]
 
@@ -252,7 +252,7 @@ def put_old_log_probs(batch, probs):
 
 
 def test_the_sample_log_gets_the_whole_tree_from_transfer_queue(transfer_queue, tmp_path):
-    from spo_verl.trainer.sample_log import SAMPLES_FILE, read_records
+    from spo_verl.adapters.trainer.sample_log import SAMPLES_FILE, read_records
 
     outputs = [leaf([1 + i // 3, 4 + i], [2, 5], r, {"tree_id": "tree4"}) for i, r in enumerate(PAPER_LEAF_REWARDS)]
     padding = leaf([1, 4], [2, 5], 0.0, {"tree_id": "tree4"})
@@ -278,7 +278,7 @@ def test_the_sample_log_gets_the_whole_tree_from_transfer_queue(transfer_queue, 
 
 
 def test_the_sample_log_of_a_baseline_adds_no_spo_metric(transfer_queue, tmp_path):
-    from spo_verl.trainer.sample_log import SAMPLES_FILE, read_records
+    from spo_verl.adapters.trainer.sample_log import SAMPLES_FILE, read_records
 
     outputs = [leaf([1], [5], r) for r in (1.0, 0.0, 1.0, 0.0)]
     batch = store(outputs, lambda s: "grpo5")
@@ -298,8 +298,8 @@ def test_the_replay_buffer_looks_for_finished_rollouts_often():
     step's generation up to the next 2 s; the SPO trainer's polls every ROLLOUT_POLL_S."""
     from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
 
-    from spo_verl.testing.verl_harness import compose_ppo_trainer
-    from spo_verl.trainer.v1 import ROLLOUT_POLL_S, SPOTrainer
+    from spo_verl.tools.testing.verl_harness import compose_ppo_trainer
+    from spo_verl.adapters.trainer.v1 import ROLLOUT_POLL_S, SPOTrainer
 
     trainer = object.__new__(SPOTrainer)
     trainer.config = compose_ppo_trainer("trainer.v1.trainer_mode=sync")

@@ -29,14 +29,14 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from transformers.models.llama import modeling_llama
 from transformers.models.qwen2 import modeling_qwen2
 
-from spo_verl.algorithms.tree_rows import tree_token_advantages
-from spo_verl.packing import (
+from spo_verl.core.algorithms.tree_rows import tree_token_advantages
+from spo_verl.core.packing import (
     build_cascade_layout,
     pack_sequences,
     packed_row_log_probs,
 )
-from spo_verl.packing import cascade_attention as cascade_module
-from spo_verl.testing.random_trees import TREES, Tree, tree_2_2, tree_2_2_2, tree_3_3_early, tree_one_leaf
+from spo_verl.core.packing import cascade_attention as cascade_module
+from spo_verl.tools.testing.random_trees import TREES, Tree, tree_2_2, tree_2_2_2, tree_3_3_early, tree_one_leaf
 
 VOCAB = 61
 
@@ -365,7 +365,7 @@ def test_cascade_never_builds_a_packed_square(monkeypatch, exact_rmsnorm):
 def test_gradient_checkpointing_replays_the_cascade(exact_rmsnorm):
     """With gradient checkpointing the layers re-run in backward: the model must be switched to the
     cascade attention for the whole step (a forward-only switch is refused), and then it is exact."""
-    from spo_verl.packing import CASCADE_ATTENTION, register_cascade_attention
+    from spo_verl.core.packing import CASCADE_ATTENTION, register_cascade_attention
 
     model = tiny_model(torch.float64, seed=5)
     tree, responses, paths, ends = _rows_for("3-3 early EOS", 41)

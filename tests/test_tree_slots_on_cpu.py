@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from spo_verl.rollout.tree import ROOT, SampledTree, TreeNode
+from spo_verl.core.rollout.tree import ROOT, SampledTree, TreeNode
 
 
 def build_tree(branching, stop_at):

@@ -17,11 +17,11 @@ from verl.trainer.ppo.ray_trainer import compute_advantage
 from verl.workers.rollout.replica import TokenOutput
 
 import spo_verl.register  # noqa: F401
-from spo_verl.batch_context import provide_spo_rows
-from spo_verl.rollout.chain import monte_carlo_value
-from spo_verl.rollout.server_output import AbortedGeneration, merged_weight_versions
-from spo_verl.rollout.tree import sample_tree
-from spo_verl.trainer.common import (
+from spo_verl.core.batch_context import provide_spo_rows
+from spo_verl.core.rollout.chain import monte_carlo_value
+from spo_verl.core.rollout.server_output import AbortedGeneration, merged_weight_versions
+from spo_verl.core.rollout.tree import sample_tree
+from spo_verl.adapters.trainer.common import (
     VALIDATION_AGENT_LOOP,
     PlainValidationBatches,
     check_no_per_row_rollout_n,

@@ -20,8 +20,8 @@ from verl.trainer.ppo.utils import need_critic, need_reference_policy
 from verl.utils.config import validate_config
 from verl.utils.device import auto_set_device
 
-from spo_verl.trainer.runners import run_with_one_restart, task_runner_for
-from spo_verl.trainer.validation import validate_spo_run
+from spo_verl.adapters.trainer.runners import run_with_one_restart, task_runner_for
+from spo_verl.adapters.trainer.validation import validate_spo_run
 
 REFUSED_EXIT_STATUS = 2  # as the launcher's unknown SETTING: the run was refused, nothing started
 DEBUG_VARIABLE = "SPO_DEBUG"

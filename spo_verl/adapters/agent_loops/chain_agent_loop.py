@@ -1,0 +1,157 @@
+"""The ``spo_chain`` agent loop: a sampled response, its segment boundaries and their MC values.
+
+Each of the ``rollout.n`` sessions of a prompt samples one response, partitions it
+(``algorithm.spo.chain.partition``) and estimates the value of every boundary prefix with
+``mc_samples`` continuations scored by the reward function verl uses for the row (a custom
+``reward.custom_reward_function`` or verl's ``default_compute_score`` for its ``data_source``). The
+sessions of a prompt share one estimate per distinct prefix. Cutpoints are the tokens with
+``p < cutpoint_threshold`` under the policy's softmax(logits / T) without top-k/top-p, as in the SPO
+reference: read from the rollout's log-probs (vLLM's temperature-scaled ones with
+``rollout.logprobs_mode=processed_logprobs``, verl's default; checked at start-up) where they decide
+it, asked of the engine where top-k/top-p leave it open (``spo_verl.core.rollout.chain.low_probability_tokens``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Any, ClassVar
+from uuid import uuid4
+
+from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
+from verl.trainer.ppo.reward import get_custom_reward_fn
+from verl.utils.profiler import simple_timer
+from verl.utils.reward_score import default_compute_score
+
+from spo_verl.core.metadata import SPO_FIELD, ChainRow, ChainStatistics, to_extra_field
+from spo_verl.core.config import parse_spo_settings
+from spo_verl.core.algorithms.segments import cut_by_length_limit
+from spo_verl.core.rollout.chain import BoundaryValueCache, cap_boundaries, monte_carlo_value, segment_starts
+from spo_verl.core.rollout.server_output import check_not_aborted, merged_weight_versions
+
+PROCESSED_LOGPROBS = "processed_logprobs"
+
+
+@dataclass
+class _PromptJob:
+    cache: BoundaryValueCache
+    sessions: int
+    finished: int = 0
+
+
+@functools.lru_cache(maxsize=8)
+def _delimiter_token_ids(tokenizer, delimiter: str) -> frozenset[int]:
+    """Vocabulary entries whose text ends with the delimiter (e.g. "\\n\\n", ".\\n\\n")."""
+    return frozenset(i for i in range(len(tokenizer)) if tokenizer.decode([i]).endswith(delimiter))
+
+
+@register("spo_chain")
+class SPOChainAgentLoop(AgentLoopBase):
+    _jobs: ClassVar[dict[str, _PromptJob]] = {}
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        settings = parse_spo_settings(self.config.algorithm.get("spo", None))
+        self.settings = settings.chain
+        self.score_truncated = settings.truncated_response_score == "reward_function"
+        self.response_length = self.rollout_config.response_length
+        self.eos_token_ids = {self.tokenizer.eos_token_id}
+        logprobs_mode = self.rollout_config.get("logprobs_mode", PROCESSED_LOGPROBS)
+        if self.settings.partition == "cutpoint" and logprobs_mode != PROCESSED_LOGPROBS:
+            raise ValueError(
+                f"algorithm.spo.chain.partition=cutpoint needs the sampling temperature's probabilities: set "
+                f"actor_rollout_ref.rollout.logprobs_mode={PROCESSED_LOGPROBS} (got {logprobs_mode})"
+            )
+        self.score_fn = get_custom_reward_fn(self.config) or default_compute_score
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput:
+        uid = str(kwargs["uid"])
+        job = self._jobs.setdefault(uid, _PromptJob(BoundaryValueCache(), sessions=self.rollout_config.n))
+        try:
+            return await self._run(job, sampling_params, kwargs)
+        finally:
+            job.finished += 1
+            if job.finished == job.sessions:
+                self._jobs.pop(uid, None)
+
+    async def _run(self, job: _PromptJob, sampling_params: dict[str, Any], kwargs: dict[str, Any]) -> AgentLoopOutput:
+        prompt_ids = await self.ct_build_initial_tokens(list(kwargs["raw_prompt"]))
+        request_id = uuid4().hex  # the response and all its continuations: one server, warm prefix cache
+        metrics: dict[str, float] = {}
+        with simple_timer("generate_sequences", metrics):
+            response_params = {**sampling_params, "max_tokens": self.response_length}
+            output = await self.server_manager.generate(request_id, prompt_ids=prompt_ids, sampling_params=response_params)
+            check_not_aborted(output, "response")
+            token_ids = list(output.token_ids)[: self.response_length]
+            log_probs = list(output.log_probs or [])[: self.response_length]
+            delimiters = (
+                _delimiter_token_ids(self.tokenizer, self.settings.delimiter) if self.settings.partition == "delimiter" else ()
+            )
+            found, cutpoint_requests = await segment_starts(
+                self.settings, token_ids, log_probs, generate=self.server_manager.generate, request_id=request_id,
+                prompt_ids=prompt_ids, sampling_params=sampling_params, eos_token_ids=self.eos_token_ids,
+                delimiter_token_ids=delimiters,
+            )
+            starts, capped = cap_boundaries(self.settings, found, self.response_length)
+            score = functools.partial(self._score, kwargs)
+            estimates = [
+                job.cache.value(
+                    token_ids[:start],
+                    functools.partial(
+                        monte_carlo_value, self.server_manager.generate, request_id, prompt_ids, token_ids[:start],
+                        sampling_params, self.settings.mc_samples, self.response_length, score, self.eos_token_ids,
+                        self.score_truncated,
+                    ),
+                )
+                for start in starts
+            ]
+            values = await asyncio.gather(*(task for task, _ in estimates))
+        started_here = [value for value, (_, created) in zip(values, estimates) if created]
+        spo = to_extra_field(ChainRow(
+            segment_starts=starts,
+            boundary_values=[value.value for value in values],
+            # The estimators score a truncated response by algorithm.spo.truncated_response_score.
+            truncated=cut_by_length_limit(token_ids, self.response_length, self.eos_token_ids),
+            chain=ChainStatistics(
+                boundaries=len(starts),
+                mc_continuations=sum(v.continuations for v in started_here),
+                mc_tokens=sum(v.continuation_tokens for v in started_here),
+                mc_truncated=sum(v.truncated for v in started_here),
+                cutpoint_requests=cutpoint_requests,
+                no_cutpoint=self.settings.partition == "cutpoint" and not found,
+                capped=capped,
+            ),
+        ))
+        return AgentLoopOutput(
+            prompt_ids=prompt_ids,
+            response_ids=token_ids,
+            response_mask=[1] * len(token_ids),
+            response_logprobs=log_probs or None,
+            num_turns=2,
+            metrics=AgentLoopMetrics(**metrics),
+            extra_fields={
+                **merged_weight_versions([output.extra_fields or {}]),
+                SPO_FIELD: spo,
+                "turn_scores": [],
+                "tool_rewards": [],
+            },
+        )
+
+    async def _score(self, row: dict[str, Any], response_ids: list[int]) -> float:
+        """Score a whole response as verl's reward manager does: decoded without special tokens, with
+        the row's data_source, ground truth and extra_info."""
+        text = self.tokenizer.decode(response_ids, skip_special_tokens=True)
+        call = functools.partial(
+            self.score_fn,
+            data_source=row.get("data_source"),
+            solution_str=text,
+            ground_truth=(row.get("reward_model") or {}).get("ground_truth"),
+            extra_info=row.get("extra_info"),
+        )
+        if inspect.iscoroutinefunction(getattr(self.score_fn, "func", self.score_fn)):
+            result = await call()
+        else:
+            result = await asyncio.get_running_loop().run_in_executor(None, call)
+        return float(result["score"] if isinstance(result, dict) else result)

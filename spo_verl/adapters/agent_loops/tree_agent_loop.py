@@ -1,0 +1,155 @@
+"""The ``spo_tree`` agent loop: one SPO tree per prompt, one verl session per leaf slot.
+
+verl runs ``rollout.n`` sessions of a prompt, each a fresh agent-loop object in the same worker
+process. ``rollout.n`` must equal the number of leaf slots ``prod(branching)``: the first session
+of a prompt starts the tree, every session awaits it and returns its own leaf. A slot whose leaf
+stopped early (EOS above the last depth) shares that leaf with its sibling slots; only the first
+of them returns it, the others return nothing (default trainer) or a copy that trains nothing
+(legacy trainer, which needs exactly one output per session). Each returned leaf is an ordinary
+response, so verl's reward code scores it; its tree metadata travels in ``extra_fields["spo"]``.
+
+With ``algorithm.spo.tree.branch_at=cutpoint`` the tree forks at cutpoints
+(``spo_verl.core.rollout.cutpoint_tree``): its leaves take the first slots in node order, and
+``rollout.n`` must be at least the most leaves its settings allow; the slots beyond the leaves a tree
+produced return nothing (or a copy that trains nothing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+from uuid import uuid4
+
+from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
+from verl.utils.profiler import simple_timer
+
+from spo_verl.core.algorithms.segments import cut_by_length_limit
+from spo_verl.core.metadata import SPO_FIELD, CutpointTreeStatistics, TreeLeafRow, TreeStatistics, to_extra_field
+from spo_verl.core.config import check_cutpoint_tree_fits, check_tree_fits, parse_spo_settings, tree_segment_budgets
+from spo_verl.core.rollout.cutpoint_tree import CutpointTree, sample_cutpoint_tree
+from spo_verl.core.rollout.server_output import merged_weight_versions
+from spo_verl.core.rollout.tree import SampledTree, sample_tree
+
+
+@dataclass
+class _TreeJob:
+    task: asyncio.Task
+    sessions: int
+    finished: int = 0
+    next_slot: itertools.count = field(default_factory=itertools.count)
+
+
+def tree_statistics(tree: SampledTree) -> TreeStatistics:
+    """Shape and cost of one tree, for the ``spo/tree/*`` metrics. A fixed tree counts the leaves
+    that stopped above its last depth; a cutpoint tree also its forks and where they fall."""
+    depth = len(tree.branching)
+    segments = tree.nodes[1:]
+    leaves = tree.leaves()
+    early_stops = [0] * depth
+    for leaf in leaves:
+        if tree.nodes[leaf].depth < depth:
+            early_stops[tree.nodes[leaf].depth - 1] += 1
+    shape = dict(
+        nodes=len(segments),
+        leaves=len(leaves),
+        early_stops_per_depth=early_stops,
+        generated_tokens=sum(len(node.token_ids) for node in segments),
+        independent_sample_tokens=sum(len(tree.prefix(leaf)[0]) for leaf in leaves),
+    )
+    if isinstance(tree, CutpointTree):
+        return CutpointTreeStatistics(
+            **shape,
+            paths=tree.paths,
+            forks=len(tree.forks),
+            fork_positions=[fork.position / fork.response_tokens for fork in tree.forks],
+            cutpoint_requests=tree.cutpoint_requests,
+        )
+    return TreeStatistics(**shape)
+
+
+@register("spo_tree")
+class SPOTreeAgentLoop(AgentLoopBase):
+    _jobs: ClassVar[dict[str, _TreeJob]] = {}
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.settings = parse_spo_settings(self.config.algorithm.get("spo", None)).tree
+        self.response_length = self.rollout_config.response_length
+        self.legacy_trainer = not self.config.trainer.get("use_v1", True)
+        if self.settings.branch_at == "cutpoint":
+            check_cutpoint_tree_fits(self.settings.cutpoint, self.rollout_config.n)
+        else:
+            check_tree_fits(self.settings.branching, tree_segment_budgets(self.settings), self.response_length,
+                            self.rollout_config.n, self.settings.align_to_block)
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput | list[AgentLoopOutput]:
+        uid = str(kwargs["uid"])
+        job = self._jobs.get(uid)
+        if job is None:
+            job = _TreeJob(asyncio.create_task(self._sample(sampling_params, kwargs)), sessions=self.rollout_config.n)
+            self._jobs[uid] = job
+        # The legacy trainer does not number sessions; they start in row order, before any await.
+        slot = int(kwargs["session_id"]) if "session_id" in kwargs else next(job.next_slot)
+        try:
+            tree, metrics = await job.task
+        finally:
+            job.finished += 1
+            if job.finished == job.sessions:
+                self._jobs.pop(uid, None)
+        leaf, first = tree.slot_leaf(slot)
+        if first:
+            return self._leaf_output(tree, leaf, metrics, trains=True)
+        if not self.legacy_trainer:
+            return []
+        return self._leaf_output(tree, leaf, metrics, trains=False)
+
+    async def _sample(self, sampling_params: dict[str, Any], kwargs: dict[str, Any]) -> tuple[SampledTree, dict]:
+        prompt_ids = await self.ct_build_initial_tokens(list(kwargs["raw_prompt"]))
+        metrics: dict[str, float] = {}
+        request_id = uuid4().hex  # one id per tree: the whole subtree stays on one server's prefix cache
+        eos_token_ids = {self.tokenizer.eos_token_id}
+        with simple_timer("generate_sequences", metrics):
+            if self.settings.branch_at == "cutpoint":
+                tree = await sample_cutpoint_tree(self.server_manager.generate, request_id, prompt_ids, sampling_params,
+                                                  self.settings.cutpoint, self.response_length, eos_token_ids)
+            else:
+                tree = await sample_tree(
+                    self.server_manager.generate,
+                    request_id=request_id,
+                    prompt_ids=prompt_ids,
+                    sampling_params=sampling_params,
+                    branching=self.settings.branching,
+                    segment_budgets=tree_segment_budgets(self.settings),
+                    response_length=self.response_length,
+                    eos_token_ids=eos_token_ids,
+                    align_to_block=self.settings.align_to_block,
+                )
+        return tree, metrics
+
+    def _leaf_output(self, tree: SampledTree, leaf: int, metrics: dict, trains: bool) -> AgentLoopOutput:
+        token_ids, log_probs = tree.prefix(leaf)
+        spo = to_extra_field(TreeLeafRow(
+            tree_id=tree.tree_id,  # unique per sampled tree; the estimator checks one tree per uid
+            path=tree.path(leaf),
+            segment_ends=tree.segment_ends(leaf),
+            trains=trains,
+            # The estimator scores a truncated leaf by algorithm.spo.truncated_response_score.
+            truncated=cut_by_length_limit(token_ids, self.response_length, {self.tokenizer.eos_token_id}),
+            tree=tree_statistics(tree),
+        ))
+        return AgentLoopOutput(
+            prompt_ids=tree.prompt_ids,
+            response_ids=token_ids,
+            response_mask=[1 if trains else 0] * len(token_ids),
+            response_logprobs=log_probs,
+            num_turns=2,
+            metrics=AgentLoopMetrics(**metrics),
+            extra_fields={
+                **merged_weight_versions(tree.server_fields(leaf)),
+                SPO_FIELD: spo,
+                "turn_scores": [],
+                "tool_rewards": [],
+            },
+        )

@@ -1,0 +1,95 @@
+"""verl TaskRunners that train with SPO; ``run_ppo(config, task_runner_class=...)`` starts them.
+
+Both subclass verl's own runners. The v1 runner only makes sure the ``spo`` trainer mode is registered
+in the TaskRunner process (verl looks the mode up there). verl's legacy ``TaskRunner.run`` builds
+``RayPPOTrainer`` by name, with no way to pass another class; the legacy runner's ``run`` takes the
+same steps with verl's own functions (worker roles, config validation, tokenizer, resource pools,
+datasets, sampler) and builds ``SPORayPPOTrainer`` instead, and with packed training its
+``add_actor_rollout_worker`` puts the packed worker in the role mapping.
+"""
+
+from __future__ import annotations
+
+import ray
+from omegaconf import OmegaConf
+from verl.trainer import main_ppo_v0
+from verl.trainer.main_ppo import TaskRunnerV1
+
+import spo_verl.register  # noqa: F401  (estimators, loss and agent loop in this process)
+from spo_verl.adapters.trainer import v1  # noqa: F401  (registers the 'spo' trainer mode)
+from spo_verl.adapters.trainer.legacy import SPORayPPOTrainer
+from spo_verl.adapters.trainer.packed_worker import SPOActorRolloutRefWorker, use_packed_worker
+
+
+class _SPOTaskRunnerV1(TaskRunnerV1.__ray_actor_class__):
+    pass
+
+
+class _SPOLegacyTaskRunner(main_ppo_v0.TaskRunner.__ray_actor_class__):
+    def __init__(self):
+        # verl's TaskRunner.__init__ is a zero-argument super().__init__(); when Ray ships this
+        # subclass to the actor process that call fails ("obj must be an instance or subtype of
+        # type"). It only runs BaseTaskRunner.__init__, so call that directly.
+        main_ppo_v0.BaseTaskRunner.__init__(self)
+
+    def add_actor_rollout_worker(self, config):
+        actor_rollout_cls, worker_group_cls = super().add_actor_rollout_worker(config)
+        if use_packed_worker(self.role_worker_mapping, config):
+            actor_rollout_cls = SPOActorRolloutRefWorker
+        return actor_rollout_cls, worker_group_cls
+
+    def run(self, config):
+        from pprint import pprint
+
+        from verl.utils.config import omega_conf_to_dataclass
+        from verl.utils.dataset.rl_dataset import collate_fn
+
+        pprint(OmegaConf.to_container(config, resolve=True))  # as verl's run prints it
+        OmegaConf.resolve(config)
+        actor_rollout_cls, worker_group_cls = self.add_actor_rollout_worker(config)
+        self.add_critic_worker(config)
+        self.add_reward_model_resource_pool(config)
+        self.add_teacher_model_resource_pool(config)
+        self.add_ref_policy_worker(config, actor_rollout_cls)
+        main_ppo_v0.validate_config(config=config, use_reference_policy=main_ppo_v0.need_reference_policy(config),
+                                    use_critic=main_ppo_v0.need_critic(config))
+        model_config = omega_conf_to_dataclass(config.actor_rollout_ref.model)
+        tokenizer, processor = model_config.tokenizer, model_config.processor
+        datasets = {
+            split: main_ppo_v0.create_rl_dataset(files, config.data, tokenizer, processor, is_train=split == "train",
+                                                 max_samples=config.data.get(f"{split}_max_samples", -1))
+            for split, files in (("train", config.data.train_files), ("val", config.data.val_files))
+        }
+        trainer = SPORayPPOTrainer(
+            config=config, tokenizer=tokenizer, processor=processor, role_worker_mapping=self.role_worker_mapping,
+            resource_pool_manager=self.init_resource_pool_mgr(config), ray_worker_group_cls=worker_group_cls,
+            train_dataset=datasets["train"], val_dataset=datasets["val"], collate_fn=collate_fn,
+            train_sampler=main_ppo_v0.create_rl_sampler(config.data, datasets["train"]),
+        )
+        trainer.init_workers()
+        trainer.fit()
+
+
+SPOTaskRunnerV1 = ray.remote(num_cpus=1)(_SPOTaskRunnerV1)
+SPOLegacyTaskRunner = ray.remote(num_cpus=1)(_SPOLegacyTaskRunner)
+
+
+def task_runner_for(config):
+    return SPOTaskRunnerV1 if config.trainer.get("use_v1", True) else SPOLegacyTaskRunner
+
+
+# Ray's raylet must register with its GCS within a fixed 30 s (``ray._private.node``); on a machine whose
+# cores are all busy (several CPU runs at once) it sometimes does not, before anything of the run started.
+RAY_STARTUP_TIMEOUT = "timed out during startup"
+
+
+def run_with_one_restart(run, config, task_runner_class) -> None:
+    """``run(config, task_runner_class=...)`` (verl's ``run_ppo``), started once more if Ray itself timed
+    out during its start-up: nothing of the run had started, so a second start is safe."""
+    try:
+        run(config, task_runner_class=task_runner_class)
+    except Exception as error:
+        if RAY_STARTUP_TIMEOUT not in str(error) or ray.is_initialized():
+            raise
+        print(f"spo: Ray did not start in time ({error}); starting it once more", flush=True)
+        run(config, task_runner_class=task_runner_class)

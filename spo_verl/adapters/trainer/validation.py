@@ -1,0 +1,252 @@
+"""Configuration-time checks of an SPO run, before Ray or any GPU is touched.
+
+The agent loop, advantage estimator, policy loss and reward function a run names are looked up here,
+as verl 0.9.1 would look them up once Ray runs. verl internals this relies on:
+``verl.experimental.agent_loop.agent_loop._agent_loop_registry`` (private; verl's agent-loop workers
+also add the entries of ``actor_rollout_ref.rollout.agent.agent_loop_config_path``, read here with
+``verl.utils.import_utils.resolve_config_path``), ``verl.trainer.ppo.core_algos.ADV_ESTIMATOR_REGISTRY``
+and ``POLICY_LOSS_REGISTRY``, ``verl.utils.import_utils.import_external_libs`` and its
+``PKG_PATH_PREFIX``/``FILE_PATH_PREFIX`` (how ``verl.trainer.ppo.reward.get_custom_reward_fn`` reads
+``reward.custom_reward_function.path``), and ``ray_trainer.compute_advantage`` computing ``gae`` and
+``grpo`` without the registry.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import logging
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
+from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, POLICY_LOSS_REGISTRY, AdvantageEstimator
+from verl.utils.import_utils import FILE_PATH_PREFIX, PKG_PATH_PREFIX, import_external_libs, resolve_config_path
+
+import spo_verl.register  # noqa: F401  (agent loops registered before they are looked up)
+from spo_verl.core.config import check_cutpoint_tree_fits, check_tree_fits, parse_spo_settings, tree_segment_budgets
+from spo_verl.adapters.policy_loss import LOSS_NAME
+from spo_verl.adapters.trainer.common import SPO_AGENT_LOOPS, SPO_ESTIMATORS, TRAINER_MODE
+
+logger = logging.getLogger(__name__)
+
+#: vLLM's KV-cache block size when ``engine_kwargs.vllm.block_size`` is not set: 16 on GPUs, 128 on
+#: its CPU backend.
+VLLM_DEFAULT_BLOCK_SIZE = {"cuda": 16, "cpu": 128}
+
+
+def validate_spo_run(config: Any) -> None:
+    """Raise ``ValueError`` naming the setting to change if the configuration cannot run SPO."""
+    check_registered_names(config)
+    settings = parse_spo_settings(config.algorithm.get("spo"))
+    estimator = config.algorithm.adv_estimator
+    rollout = config.actor_rollout_ref.rollout
+    agent_loop = rollout.agent.default_agent_loop
+    if estimator in SPO_ESTIMATORS:
+        if agent_loop != estimator:
+            raise ValueError(
+                f"algorithm.adv_estimator={estimator} needs actor_rollout_ref.rollout.agent.default_agent_loop="
+                f"{estimator} (got {agent_loop}): only that agent loop produces the segment metadata"
+            )
+        if config.trainer.get("use_v1", True) and config.trainer.v1.trainer_mode != TRAINER_MODE:
+            raise ValueError(
+                f"algorithm.adv_estimator={estimator} needs trainer.v1.trainer_mode={TRAINER_MODE} (got "
+                f"{config.trainer.v1.trainer_mode}): that trainer hands the segment metadata to the estimator"
+            )
+    if agent_loop in SPO_AGENT_LOOPS and not config.trainer.get("use_v1", True):
+        # verl's legacy agent-loop manager splits the repeated batch into num_workers equal chunks; a
+        # prompt's sessions (one tree, or one shared Monte Carlo cache) must land in one chunk.
+        prompts = config.data.get("gen_batch_size", None) or config.data.train_batch_size
+        workers = rollout.agent.num_workers
+        if prompts % workers:
+            raise ValueError(
+                f"actor_rollout_ref.rollout.agent.default_agent_loop={agent_loop} on the legacy trainer needs "
+                f"data.train_batch_size ({prompts}) to be a multiple of actor_rollout_ref.rollout.agent.num_workers "
+                f"({workers}): verl splits each batch into that many equal chunks and a prompt's sessions must stay in one"
+            )
+    if estimator == "spo_tree" and settings.tree.branch_at == "cutpoint":
+        check_cutpoint_tree_fits(settings.tree.cutpoint, rollout.n)
+    elif estimator == "spo_tree":
+        check_tree_fits(settings.tree.branching, tree_segment_budgets(settings.tree), rollout.response_length, rollout.n,
+                        settings.tree.align_to_block)
+        warn_if_segments_split_blocks(settings.tree, rollout, config.trainer.get("device", "cuda"))
+
+    if settings.packed_training:
+        check_packed_training(config)
+    check_rollout_log_probs_as_old(config)
+
+
+def check_registered_names(config: Any) -> None:
+    """Raise ``ValueError`` naming the setting and the registered names if verl would not find the
+    agent loop, advantage estimator, policy loss or reward function the configuration names."""
+    # verl's model config imports external_lib before any worker looks a name up; a plugin there may
+    # register names of its own.
+    external_lib = config.actor_rollout_ref.model.get("external_lib", None) or None
+    try:
+        import_external_libs(external_lib)
+    except ImportError as error:
+        raise ValueError(f"actor_rollout_ref.model.external_lib={external_lib} cannot be imported: {error}") from error
+    agent = config.actor_rollout_ref.rollout.agent
+    agent_loops = {*_agent_loop_registry, *agent_loops_in_file(agent)}
+    if agent.default_agent_loop not in agent_loops:
+        raise ValueError(
+            f"actor_rollout_ref.rollout.agent.default_agent_loop={agent.default_agent_loop} is not a registered "
+            f"agent loop; registered: {sorted(agent_loops)}"
+        )
+    estimator = config.algorithm.adv_estimator
+    estimator = estimator.value if isinstance(estimator, Enum) else estimator
+    # verl's compute_advantage computes gae and grpo itself; every other name goes through the registry.
+    estimators = {*ADV_ESTIMATOR_REGISTRY, AdvantageEstimator.GAE.value, AdvantageEstimator.GRPO.value}
+    if estimator not in estimators:
+        raise ValueError(f"algorithm.adv_estimator={estimator} is not a registered advantage estimator; "
+                         f"registered: {sorted(estimators)}")
+    loss_mode = config.actor_rollout_ref.actor.policy_loss.get("loss_mode", "vanilla")
+    if loss_mode not in POLICY_LOSS_REGISTRY:
+        raise ValueError(f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode} is not a registered policy "
+                         f"loss; registered: {sorted(POLICY_LOSS_REGISTRY)}")
+    check_reward_function(config.get("reward", None) or {})
+
+
+def agent_loops_in_file(agent: Any) -> list[str]:
+    """The agent loops verl's agent-loop workers register from ``agent_loop_config_path``."""
+    path = agent.get("agent_loop_config_path", None)
+    if not path:
+        return []
+    try:
+        entries = OmegaConf.load(resolve_config_path(path))
+    except FileNotFoundError:
+        raise ValueError(f"actor_rollout_ref.rollout.agent.agent_loop_config_path={path}: no such file") from None
+    return [str(entry.name) for entry in entries]
+
+
+def check_reward_function(reward: Any) -> None:
+    """``reward.custom_reward_function`` as verl's ``get_custom_reward_fn`` reads it: a file (``file://``
+    optional) or a module (``pkg://``) that defines ``name`` at its top level. The source is read, not
+    run: the file's own imports may be heavy, and a driver need not run them to find a name."""
+    selection = reward.get("custom_reward_function", None) or {}
+    path, name = selection.get("path", None), selection.get("name", None)
+    if not path:
+        return
+    key = "reward.custom_reward_function"
+    if not name:
+        raise ValueError(f"{key}.path={path} needs {key}.name, the function to call")
+    source = reward_source_file(path)
+    if source is None or source.suffix != ".py":
+        return  # a compiled or namespace module: nothing to read
+    module = ast.parse(source.read_text(), filename=str(source))
+    defined = top_level_names(module)
+    if name in defined or "*" in defined or "__getattr__" in defined:  # the last two make names at import
+        return
+    functions = sorted(node.name for node in module.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)))
+    raise ValueError(f"{key}.name={name} is not defined in {key}.path={path}; its functions: {functions}")
+
+
+def reward_source_file(path: str) -> Path | None:
+    key = "reward.custom_reward_function.path"
+    if path.startswith(PKG_PATH_PREFIX):
+        module = path[len(PKG_PATH_PREFIX):].replace("/", ".")
+        try:
+            spec = importlib.util.find_spec(module)
+        except (ImportError, ValueError):  # a parent package is missing, or the name is empty
+            spec = None
+        if spec is None:
+            raise ValueError(f"{key}={path}: no module named {module}")
+        return Path(spec.origin) if spec.origin and spec.has_location else None
+    file = Path(path.removeprefix(FILE_PATH_PREFIX))
+    if not file.is_file():
+        raise ValueError(f"{key}={path}: no such file" + ("" if file.is_absolute() else f" in {Path.cwd()}"))
+    return file
+
+
+def top_level_names(module: ast.Module) -> set[str]:
+    """Names a module binds in its own namespace (``*`` for a star import)."""
+    names, nodes = set(), list(module.body)
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update(alias.asname or alias.name.partition(".")[0] for alias in node.names)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif not isinstance(node, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+            nodes.extend(ast.iter_child_nodes(node))  # own scopes are skipped: their names are not the module's
+    return names
+
+
+def engine_block_size(rollout: Any, device: str) -> int | None:
+    """The vLLM rollout's KV-cache block size; None for other engines."""
+    if rollout.get("name", "vllm") != "vllm":
+        return None
+    engine = (rollout.get("engine_kwargs", None) or {}).get("vllm", None) or {}
+    return int(engine.get("block_size", None) or VLLM_DEFAULT_BLOCK_SIZE.get(device, VLLM_DEFAULT_BLOCK_SIZE["cuda"]))
+
+
+def warn_if_segments_split_blocks(tree: Any, rollout: Any, device: str) -> None:
+    """A child's request recomputes the part of its prefix past the last whole cached block: up to a
+    block per child, as many tokens as a short segment generates. Said once, at config time."""
+    block = engine_block_size(rollout, device)
+    if block is None:
+        return
+    if tree.align_to_block and tree.align_to_block != block:
+        logger.warning("algorithm.spo.tree.align_to_block=%s differs from the rollout engine's KV-cache block size %s "
+                       "(actor_rollout_ref.rollout.engine_kwargs.vllm.block_size): children will recompute up to a block "
+                       "of their prefix", tree.align_to_block, block)
+    budgets = list(tree_segment_budgets(tree))
+    if not tree.align_to_block and any(budget < block for budget in budgets):
+        logger.warning("algorithm.spo.tree.segment_tokens %s has segments shorter than the rollout engine's KV-cache "
+                       "block (%s tokens): each child recomputes up to a block of its prefix, about as many tokens as its "
+                       "segment generates. Longer segments or algorithm.spo.tree.align_to_block=%s cut that to one token",
+                       budgets, block, block)
+
+
+def check_rollout_log_probs_as_old(config: Any) -> None:
+    """verl's ``algorithm.rollout_correction.bypass_mode`` takes the rollout's log-probs as the old
+    log-probs. The v1 trainer only skips the old-log-prob pass; the legacy trainer also replaces the
+    policy loss with its own ``bypass_mode`` loss, which would drop SPO's probability mask unseen."""
+    correction = config.algorithm.get("rollout_correction", None) or {}
+    if not correction.get("bypass_mode", False):
+        return
+    if not config.actor_rollout_ref.rollout.get("calculate_log_probs", False):
+        raise ValueError("algorithm.rollout_correction.bypass_mode=true takes the rollout's log-probs as the old "
+                         "log-probs: set actor_rollout_ref.rollout.calculate_log_probs=true")
+    loss_mode = config.actor_rollout_ref.actor.policy_loss.get("loss_mode", "vanilla")
+    if not config.trainer.get("use_v1", True) and loss_mode == LOSS_NAME:
+        raise ValueError(
+            f"algorithm.rollout_correction.bypass_mode=true on the legacy trainer (trainer.use_v1=false) replaces "
+            f"actor_rollout_ref.actor.policy_loss.loss_mode={LOSS_NAME} with verl's bypass_mode loss, which has no "
+            f"probability mask: set algorithm.rollout_correction.bypass_mode=false or trainer.use_v1=true"
+        )
+
+
+def check_packed_training(config: Any) -> None:
+    """``algorithm.spo.packed_training=true`` runs only where the packed forward equals verl's."""
+    key = "algorithm.spo.packed_training=true"
+    actor_ref = config.actor_rollout_ref
+    for role in ("actor", "ref"):
+        section = actor_ref.get(role, {})
+        strategy = section.get("strategy", "fsdp")
+        if strategy not in ("fsdp", "fsdp2"):
+            raise ValueError(f"{key} needs verl's FSDP engine: actor_rollout_ref.{role}.strategy must be fsdp or "
+                             f"fsdp2 (got {strategy})")
+        for name in ("ulysses_sequence_parallel_size",):
+            size = max(int(section.get(name, 1) or 1), int(section.get("fsdp_config", {}).get(name, 1) or 1))
+            if size > 1:
+                raise ValueError(f"{key} does not support sequence parallelism: actor_rollout_ref.{role}.{name} "
+                                 f"must be 1 (got {size})")
+    model = actor_ref.model
+    unsupported = {  # each must be off (false, 0 or null)
+        "actor_rollout_ref.model.use_fused_kernels": model.get("use_fused_kernels", False),
+        "actor_rollout_ref.actor.use_fused_kernels": actor_ref.actor.get("use_fused_kernels", False),
+        "actor_rollout_ref.actor.pad_to_length": actor_ref.actor.get("pad_to_length", None),
+        "actor_rollout_ref.actor.calculate_sum_pi_squared": actor_ref.actor.get("calculate_sum_pi_squared", False),
+        "actor_rollout_ref.model.lora_rank": model.get("lora_rank", 0),
+        "actor_rollout_ref.model.lora.rank": model.get("lora", {}).get("rank", 0),
+        "actor_rollout_ref.model.lora_adapter_path": model.get("lora_adapter_path", None),
+        "distillation.enabled": config.get("distillation", {}).get("enabled", False),
+    }
+    for name, value in unsupported.items():
+        if value:
+            raise ValueError(f"{key} does not support {name}={value}; turn it off or set packed_training=false")

@@ -1,3 +1,0 @@
-from spo_verl.benchmarks.cli import main
-
-main()

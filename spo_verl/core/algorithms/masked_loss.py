@@ -1,0 +1,90 @@
+"""The probability mask and the reference SPO policy loss (docs/FIDELITY.md), in plain torch."""
+
+from __future__ import annotations
+
+import torch
+
+from spo_verl.core.config import check_probability
+
+LOG_RATIO_CLAMP = 10.0
+WHITEN_EPS = 1e-8
+# The reference trains nothing on a micro-batch whose mean ratio over the masked tokens exceeds this.
+RATIO_SKIP_THRESHOLD = 10.0
+
+
+def probability_mask(old_log_probs: torch.Tensor, response_mask: torch.Tensor, threshold: float = 0.9) -> torch.Tensor:
+    """``response_mask AND p_old < threshold``: the tokens where the sampling policy could have branched.
+
+    ``old_log_probs`` must come from temperature-scaled logits as verl's actor recomputes
+    them (it divides the logits by the rollout temperature).
+    """
+    check_probability("probability mask threshold", threshold)
+    return response_mask.bool() & (old_log_probs.exp() < threshold)
+
+
+def whiten_over_mask(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``(values - mean) / sqrt(var + 1e-8)`` with token-weighted mean and unbiased variance over ``mask``.
+
+    Applied to every position (the caller masks later). Fewer than two masked tokens give a
+    variance of 0 instead of the 0/0 of Bessel's correction.
+    """
+    mask = mask.to(values.dtype)
+    count = mask.sum()
+    if count == 0:
+        return torch.zeros_like(values)
+    mean = (values * mask).sum() / count
+    squared = ((values - mean) ** 2 * mask).sum()
+    variance = squared / (count - 1) if count > 1 else torch.zeros_like(squared)
+    return (values - mean) * torch.rsqrt(variance + WHITEN_EPS)
+
+
+def masked_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """The reference's ratio ``exp(clamp((logp - logp_old) * mask, -10, 10))`` (1 outside the mask)."""
+    return torch.clamp((log_prob - old_log_prob) * loss_mask, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+
+
+def clipped_surrogate(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token PPO-clip loss ``max(-A r, -A clip(r))`` with the reference's masked, clamped ratio.
+
+    Returns the loss matrix and a boolean matrix of tokens where the clipped branch was taken.
+    """
+    ratio = masked_ratio(log_prob, old_log_prob, loss_mask)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def ratio_too_high(log_prob: torch.Tensor, old_log_prob: torch.Tensor, loss_mask: torch.Tensor) -> bool:
+    """Whether the mean ratio over the masked tokens exceeds 10: the reference then multiplies the
+    micro-batch's whole loss (policy and KL terms) by 0, so a policy far from the sampling one is not
+    trained on."""
+    mask = loss_mask.to(log_prob.dtype)
+    ratio = masked_ratio(log_prob.detach(), old_log_prob, mask)
+    return bool(masked_mean(ratio, mask) > RATIO_SKIP_THRESHOLD)
+
+
+def k3_kl(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimator ``exp(x) - x - 1`` with ``x = clamp(ref - logp, -10, 10)`` (the reference's
+    clamp; verl's ``low_var_kl`` clamps x at 20 and the result at 10, which differs for far-off policies)."""
+    x = torch.clamp(ref_log_prob - log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return x.exp() - x - 1.0
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def reference_kl_term(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """k3 summed over the masked tokens of each sequence, averaged over sequences (no coefficient)."""
+    if log_prob.shape[0] == 0:
+        return log_prob.sum()
+    per_sequence = (k3_kl(log_prob, ref_log_prob) * loss_mask.to(log_prob.dtype)).sum(dim=-1)
+    return per_sequence.mean()

@@ -1,0 +1,391 @@
+"""SPO settings: one namespace, ``algorithm.spo.*``, with the paper's defaults (docs/FIDELITY.md).
+
+No verl import: parsing a mapping (a dict or an OmegaConf node) into frozen dataclasses, with an
+error that names the key and the allowed values for anything invalid. verl adapters call
+``parse_spo_settings`` at configuration time, before any GPU time is spent.
+"""
+
+from __future__ import annotations
+
+import math
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+NAMESPACE = "algorithm.spo"
+LOSS_NORMALIZATIONS = ("reference", "verl")
+CHAIN_PARTITIONS = ("cutpoint", "fixed_count", "delimiter")
+TRUNCATED_RESPONSE_SCORES = ("zero", "reward_function")
+
+
+class SPOConfigError(ValueError):
+    """An ``algorithm.spo.*`` setting is invalid."""
+
+
+@dataclass(frozen=True)
+class ProbMaskSettings:
+    """The probability mask of the policy loss.
+
+    normalization:
+      ``reference``: as the SPO reference code, per micro-batch: advantages whitened over the
+      masked-in tokens, PPO-clip averaged over the masked-in tokens, k3 KL to the reference model
+      summed over masked-in tokens and averaged over sequences. Micro-batches are combined by their
+      share of the mini-batch's response tokens (verl's global normalisation).
+      ``verl``: verl's ``vanilla`` PPO loss and aggregation (``actor.loss_agg_mode``) with the
+      advantage of masked-out tokens set to 0; advantages as the estimator gave them; verl's KL
+      loss over all response tokens. The denominator stays verl's global response-token count, so
+      the step shrinks with the masked-in fraction.
+    """
+
+    threshold: float = 0.9
+    normalization: str = "reference"
+
+
+@dataclass(frozen=True)
+class ChainSettings:
+    """SPO-chain; the paper's headline is cutpoint int5 with 9 MC samples.
+
+    ``max_boundaries`` caps the MC-estimated boundaries of one response and
+    ``max_mc_tokens_per_response`` the tokens its continuations may generate (``mc_samples`` times the
+    room left after each boundary, counted from the first boundary on); null means no cap. Segments
+    past a cap merge into the last kept one, and ``spo/chain/capped_responses`` counts it. Together they
+    bound the MC tokens of a step by ``train_batch_size * rollout.n`` times the per-response cap.
+    """
+
+    partition: str = "cutpoint"
+    cutpoint_threshold: float = 0.9
+    cutpoint_interval: int = 5
+    num_segments: int = 4
+    delimiter: str = "\n\n"
+    mc_samples: int = 9
+    max_boundaries: int | None = None
+    max_mc_tokens_per_response: int | None = None
+
+
+@dataclass(frozen=True)
+class CutpointTreeSettings:
+    """SPO-tree with ``branch_at: cutpoint``: a tree that forks where the model is uncertain.
+
+    Per prompt, ``responses`` whole responses are sampled. On each, the fork points are its cutpoints
+    as SPO-chain finds them (tokens with p < ``threshold`` under softmax(logits / T), every
+    ``interval``-th, a final EOS never), at most ``max_forks`` of them; from the prefix just before
+    each fork token ``width`` continuations are sampled to the end. A path sampled in forking round r
+    forks again while r < ``rounds`` (the first responses are round 0). A prompt has at most
+    ``responses * sum((max_forks * width) ** r for r in 0..rounds)`` leaves, which must fit
+    ``actor_rollout_ref.rollout.n``.
+    """
+
+    responses: int = 4
+    width: int = 2
+    max_forks: int = 2
+    rounds: int = 1
+    threshold: float = 0.9
+    interval: int = 5
+
+
+TREE_BRANCH_POINTS = ("fixed", "cutpoint")
+
+
+@dataclass(frozen=True)
+class TreeSettings:
+    """SPO-tree; the paper's headline is 6-6-6 with 600-token segments on MATH.
+
+    ``segment_tokens`` is the token budget of each depth but the last (which runs to EOS or the
+    response limit): one number for every depth, or one per depth.
+    ``max_trained_segments_per_prompt``: null trains every segment once (on-policy); a number trains at
+    most that many segments per prompt, drawn at random, and leaves the rest out of the actor update
+    (the reference samples 32 per prompt and keeps the rest in a replay buffer for later steps).
+    ``align_to_block``: null, or the rollout engine's KV-cache block size (vLLM's ``block_size``). Each
+    depth's budget is then lengthened by less than a block so that a child's prefix (prompt and
+    parent segments) ends one token past a block boundary. vLLM shares only whole cached blocks and
+    always recomputes a prompt's last token, so each child then recomputes one prompt token instead of
+    up to a block.
+    ``branch_at``: ``fixed`` forks every node into ``branching`` children after ``segment_tokens``
+    tokens; ``cutpoint`` forks at the model's low-probability tokens (``cutpoint``:
+    :class:`CutpointTreeSettings`; ``branching``, ``segment_tokens`` and ``align_to_block`` are unused).
+    """
+
+    branching: tuple[int, ...] = (6, 6, 6)
+    segment_tokens: tuple[int, ...] = (600, 600)
+    std_normalize: bool = False
+    drop_zero_advantage: bool = True
+    max_trained_segments_per_prompt: int | None = None
+    align_to_block: int | None = None
+    branch_at: str = "fixed"
+    cutpoint: CutpointTreeSettings = field(default_factory=CutpointTreeSettings)
+
+
+@dataclass(frozen=True)
+class SampleLogSettings:
+    """A few trained responses per step, written for people to look at (``spo_verl.adapters.trainer.sample_log``).
+
+    ``dir``: a folder; the driver appends one JSON line per training step to ``<dir>/samples.jsonl``
+    (decoded tokens, probabilities, probability mask, segments, advantages, and for SPO-tree the tree
+    with each node's value and advantage). null writes nothing.
+    ``responses_per_step``: responses logged per step (spo_chain, grpo, ...); spo_tree logs the whole
+    tree of one prompt instead (every leaf of it).
+    """
+
+    dir: str | None = None
+    responses_per_step: int = 4
+
+
+@dataclass(frozen=True)
+class SPOSettings:
+    """``truncated_response_score``: what a response cut by the length limit (no EOS at the end of its
+    token budget) scores, for the trajectory reward R of SPO-chain and SPO-tree rows and for the Monte
+    Carlo continuations that estimate SPO-chain's boundary values V, so V and R stay on one scale.
+    ``zero``: 0, as the SPO reference scores an unfinished response. ``reward_function``: what the
+    row's reward function gives the truncated text (verl's behaviour).
+    ``generated_token_budget``: stop training once the rollout has generated this many tokens (each
+    tree node once, chains with their Monte Carlo continuations; ``spo/generated_tokens``), so that
+    algorithms are compared at equal sampling cost: the step that is expected to reach it (from the
+    previous step's count) is the last, with verl's final validation and checkpoint. null: verl's
+    ``trainer.total_training_steps``/``total_epochs`` alone decide.
+    ``packed_training``: the actor and reference forwards run each micro-batch as one packed sequence
+    in which every prefix its rows share (a prompt and its ``rollout.n`` responses, an SPO tree's
+    segments, a preamble common to all prompts) is computed once (``spo_verl.core.packing``), for every
+    algorithm; the results equal the per-row forwards. ``packed_chunk_tokens``: hidden states
+    projected to the vocabulary at a time. ``packed_max_token_ratio``: a micro-batch whose packed
+    tokens exceed this share of its row tokens runs verl's per-row forward instead (packing it would
+    cost more than it saves). ``packed_training_check``: in the first actor update, also run each
+    packed micro-batch per row (no gradient) and log how far the packed log-probs and loss are from it
+    (``spo/packing/check/*``).
+    ``credit_metrics``: each step, where each wrong answer's negative advantage falls relative to its
+    first wrong step (``spo/credit/*``), for tasks whose answers work a generated sum one equation a
+    step (``spo_verl.core.credit.answer_errors``; answers it cannot place are counted, not measured).
+    """
+
+    prob_mask: ProbMaskSettings = field(default_factory=ProbMaskSettings)
+    chain: ChainSettings = field(default_factory=ChainSettings)
+    tree: TreeSettings = field(default_factory=TreeSettings)
+    truncated_response_score: str = "zero"
+    sample_log: SampleLogSettings = field(default_factory=SampleLogSettings)
+    generated_token_budget: int | None = None
+    packed_training: bool = False
+    packed_chunk_tokens: int = 4096
+    packed_max_token_ratio: float = 0.9
+    packed_training_check: bool = False
+    credit_metrics: bool = False
+
+
+def _fail(key: str, allowed: str, value: Any) -> SPOConfigError:
+    return SPOConfigError(f"{key} must be {allowed}, got {value!r}")
+
+
+def check_probability(key: str, value: Any) -> float:
+    """``value`` as a probability threshold in (0, 1], or an error naming ``key``: the one rule for every
+    threshold, the settings' and the maths' arguments alike."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 < value <= 1.0:
+        raise _fail(key, "a number in (0, 1]", value)
+    return float(value)
+
+
+def check_positive_int(key: str, value: Any) -> int:
+    """``value`` as a positive integer, or an error naming ``key`` (a bool is not one)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _fail(key, "a positive integer", value)
+    return value
+
+
+def _choice(allowed: Sequence[str]):
+    def check(key: str, value: Any) -> str:
+        if value not in allowed:
+            raise _fail(key, f"one of {list(allowed)}", value)
+        return value
+
+    return check
+
+
+def _boolean(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(key, "true or false", value)
+    return value
+
+
+def _text(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise _fail(key, "a non-empty string", value)
+    return value
+
+
+def _positive_int_list(key: str, value: Any) -> tuple[int, ...]:
+    if isinstance(value, str) or not isinstance(value, Sequence) or len(value) == 0:
+        raise _fail(key, "a non-empty list of positive integers", value)
+    return tuple(check_positive_int(f"{key}[{i}]", item) for i, item in enumerate(value))
+
+
+def _optional_text(key: str, value: Any) -> str | None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise _fail(key, "a non-empty string or null", value)
+    return value
+
+
+def _optional_positive_int(key: str, value: Any) -> int | None:
+    return None if value is None else check_positive_int(key, value)
+
+
+def _int_or_int_list(key: str, value: Any) -> tuple[int, ...]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (check_positive_int(key, value),)
+    return _positive_int_list(key, value)
+
+
+_CHECKS = {
+    "truncated_response_score": _choice(TRUNCATED_RESPONSE_SCORES),
+    "prob_mask.threshold": check_probability,
+    "prob_mask.normalization": _choice(LOSS_NORMALIZATIONS),
+    "chain.partition": _choice(CHAIN_PARTITIONS),
+    "chain.cutpoint_threshold": check_probability,
+    "chain.cutpoint_interval": check_positive_int,
+    "chain.num_segments": check_positive_int,
+    "chain.delimiter": _text,
+    "chain.mc_samples": check_positive_int,
+    "chain.max_boundaries": _optional_positive_int,
+    "chain.max_mc_tokens_per_response": _optional_positive_int,
+    "tree.branching": _positive_int_list,
+    "tree.segment_tokens": _int_or_int_list,
+    "tree.std_normalize": _boolean,
+    "tree.drop_zero_advantage": _boolean,
+    "tree.max_trained_segments_per_prompt": _optional_positive_int,
+    "tree.align_to_block": _optional_positive_int,
+    "tree.branch_at": _choice(TREE_BRANCH_POINTS),
+    "tree.cutpoint.responses": check_positive_int,
+    "tree.cutpoint.width": check_positive_int,
+    "tree.cutpoint.max_forks": check_positive_int,
+    "tree.cutpoint.rounds": check_positive_int,
+    "tree.cutpoint.threshold": check_probability,
+    "tree.cutpoint.interval": check_positive_int,
+    "sample_log.dir": _optional_text,
+    "sample_log.responses_per_step": check_positive_int,
+    "generated_token_budget": _optional_positive_int,
+    "packed_training": _boolean,
+    "packed_chunk_tokens": check_positive_int,
+    "packed_max_token_ratio": check_probability,
+    "packed_training_check": _boolean,
+    "credit_metrics": _boolean,
+}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, DictConfig | ListConfig):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+def _parse_section(cls: type, raw: Any, prefix: str) -> Any:
+    raw = _plain(raw)
+    if raw is None:
+        return cls()
+    if not isinstance(raw, Mapping):
+        raise _fail(prefix, "a mapping", raw)
+    names = [f.name for f in fields(cls)]
+    unknown = sorted(set(raw) - set(names))
+    if unknown:
+        raise SPOConfigError(f"unknown setting(s) {[f'{prefix}.{k}' for k in unknown]}; {prefix} accepts {names}")
+    values = {}
+    for f in fields(cls):
+        if f.name not in raw:
+            continue
+        key = f"{prefix}.{f.name}"
+        default = f.default_factory() if callable(f.default_factory) else f.default
+        if is_dataclass(default):
+            values[f.name] = _parse_section(type(default), raw[f.name], key)
+        else:
+            values[f.name] = _CHECKS[key.removeprefix(f"{NAMESPACE}.")](key, raw[f.name])
+    return cls(**values)
+
+
+def _check_tree_shape(tree: TreeSettings) -> None:
+    inner_depths = len(tree.branching) - 1
+    if len(tree.segment_tokens) not in (1, inner_depths) and inner_depths > 0:
+        raise SPOConfigError(
+            f"{NAMESPACE}.tree.segment_tokens must be one number or {inner_depths} numbers (one per depth but the "
+            f"last of branching {list(tree.branching)}), got {list(tree.segment_tokens)}"
+        )
+
+
+def parse_spo_settings(raw: Mapping | None) -> SPOSettings:
+    """``algorithm.spo`` (a dict, an OmegaConf node or None for all defaults) to validated settings."""
+    settings = _parse_section(SPOSettings, raw, NAMESPACE)
+    _check_tree_shape(settings.tree)
+    return settings
+
+
+def tree_segment_budgets(tree: TreeSettings) -> tuple[int, ...]:
+    """Token budget of every depth but the last, one entry per depth."""
+    inner_depths = len(tree.branching) - 1
+    if len(tree.segment_tokens) == 1:
+        return tree.segment_tokens * inner_depths
+    return tree.segment_tokens
+
+
+def leaf_slots(tree: Sequence[int] | Mapping) -> int:
+    """Number of leaf slots of an SPO tree, ``rollout.n`` of an SPO-tree run: ``prod(branching)`` of a
+    fixed tree, :func:`cutpoint_tree_max_leaves` of a cutpoint tree. ``tree``: the ``algorithm.spo.tree``
+    section, or a fixed tree's branching."""
+    raw = _plain(tree)
+    if isinstance(raw, Mapping):
+        settings = _parse_section(TreeSettings, raw, f"{NAMESPACE}.tree")
+        if settings.branch_at == "cutpoint":
+            return cutpoint_tree_max_leaves(settings.cutpoint)
+        raw = list(settings.branching)
+    return math.prod(_positive_int_list(f"{NAMESPACE}.tree.branching", list(raw)))
+
+
+def rows_tokens(rows: int, prompt_tokens: int, response_tokens: int) -> int:
+    """Tokens of ``rows`` rows of the longest prompt and response: a setting's token budgets follow
+    its lengths (``${spo_rows_tokens:2,${data.max_prompt_length},${data.max_response_length}}``)."""
+    return int(rows) * (int(prompt_tokens) + int(response_tokens))
+
+
+if not OmegaConf.has_resolver("spo_leaf_slots"):
+    # ``actor_rollout_ref.rollout.n: ${spo_leaf_slots:${algorithm.spo.tree}}`` in the recipe.
+    OmegaConf.register_new_resolver("spo_leaf_slots", leaf_slots)
+if not OmegaConf.has_resolver("spo_rows_tokens"):
+    OmegaConf.register_new_resolver("spo_rows_tokens", rows_tokens)
+
+
+def cutpoint_tree_max_leaves(cutpoint: CutpointTreeSettings) -> int:
+    """The most leaves a cutpoint tree can have: every path forks ``max_forks`` times into ``width``
+    new paths, for ``rounds`` rounds."""
+    per_path = cutpoint.max_forks * cutpoint.width
+    return cutpoint.responses * sum(per_path**r for r in range(cutpoint.rounds + 1))
+
+
+def check_cutpoint_tree_fits(cutpoint: CutpointTreeSettings, rollout_n: int) -> None:
+    leaves = cutpoint_tree_max_leaves(cutpoint)
+    if rollout_n < leaves:
+        raise ValueError(
+            f"algorithm.spo.tree.branch_at=cutpoint with responses={cutpoint.responses}, max_forks={cutpoint.max_forks}, "
+            f"width={cutpoint.width}, rounds={cutpoint.rounds} can sample up to {leaves} leaves a prompt, more than "
+            f"actor_rollout_ref.rollout.n={rollout_n} sessions can return: set rollout.n to {leaves} or lower those settings"
+        )
+
+
+def check_tree_fits(branching, segment_budgets, response_length: int, rollout_n: int,
+                    align_to_block: int | None = None) -> None:
+    """Config-time checks of the tree shape against verl's rollout settings."""
+    leaves = math.prod(branching)
+    if rollout_n != leaves:
+        raise ValueError(
+            f"actor_rollout_ref.rollout.n must equal the number of leaf slots of algorithm.spo.tree.branching "
+            f"{list(branching)} ({leaves}), got {rollout_n}"
+        )
+    if sum(segment_budgets) >= response_length:
+        raise ValueError(
+            f"algorithm.spo.tree.segment_tokens {list(segment_budgets)} use {sum(segment_budgets)} tokens before the "
+            f"last depth, which leaves nothing of actor_rollout_ref.rollout.response_length={response_length}"
+        )
+    if align_to_block and segment_budgets:
+        # The first depth grows by up to a block less one token; later depths by what rounds them to a block.
+        longest = sum(segment_budgets) + align_to_block - 1 + sum(-b % align_to_block for b in segment_budgets[1:])
+        if longest >= response_length:
+            raise ValueError(
+                f"algorithm.spo.tree.segment_tokens {list(segment_budgets)} aligned to algorithm.spo.tree.align_to_block="
+                f"{align_to_block} can use {longest} tokens before the last depth, which leaves nothing of "
+                f"actor_rollout_ref.rollout.response_length={response_length}"
+            )

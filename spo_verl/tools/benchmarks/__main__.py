@@ -1,0 +1,3 @@
+from spo_verl.tools.benchmarks.cli import main
+
+main()

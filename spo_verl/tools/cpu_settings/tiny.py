@@ -1,0 +1,116 @@
+"""SETTING=cpu-tiny: a tiny model and a small, rule-checked arithmetic data set, built locally (nothing
+is downloaded) into a cache folder.
+
+* Data: "What is a + b?" for single digits, in verl's parquet layout with ``data_source``
+  ``openai/gsm8k`` and the answer as ground truth, so verl's own GSM8K reward scores it (1 for
+  ``#### <answer>``, else 0). 80 problems train, 20 held out for validation.
+* Model: the tiny Qwen2 of :mod:`spo_verl.tools.cpu_settings.tiny_model` (2 layers, character tokenizer),
+  briefly fine-tuned on worked answers ("3+4=7\\n#### 7") so that, sampled at temperature 1, it is
+  right some of the time but not mostly: rewards differ between samples, so GRPO and SPO
+  advantages are not all zero.
+
+    python -m spo_verl.tools.cpu_settings.tiny --output-dir ~/.cache/spo-verl/cpu-default   # prints the paths
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from spo_verl.tools.cpu_settings.cache import cached_build, run_cli
+
+DATA_SOURCE = "openai/gsm8k"
+INSTRUCTION = "Answer after ####."
+VERSION = 1  # bump when the recipe below changes, so caches are rebuilt
+FINE_TUNE_STEPS = 95
+SEED = 0
+
+
+def problems() -> list[tuple[int, int]]:
+    pairs = [(a, b) for a in range(10) for b in range(10)]
+    random.Random(SEED).shuffle(pairs)
+    return pairs
+
+
+def question(a: int, b: int) -> str:
+    return f"What is {a} + {b}? {INSTRUCTION}"
+
+
+def worked_answer(a: int, b: int) -> str:
+    return f"{a}+{b}={a + b}\n#### {a + b}"
+
+
+def row(a: int, b: int, split: str, index: int) -> dict:
+    return {
+        "data_source": DATA_SOURCE,
+        "prompt": [{"role": "user", "content": question(a, b)}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+        "extra_info": {"split": split, "index": index, "question": question(a, b), "answer": worked_answer(a, b)},
+    }
+
+
+def write_data(directory: Path) -> tuple[Path, Path]:
+    from spo_verl.tools.data.prepare import write_rows
+
+    pairs = problems()
+    train, val = pairs[:80], pairs[80:]
+    train_path, val_path = directory / "train.parquet", directory / "val.parquet"
+    write_rows([row(a, b, "train", i) for i, (a, b) in enumerate(train)], train_path)
+    write_rows([row(a, b, "test", i) for i, (a, b) in enumerate(val)], val_path)
+    return train_path, val_path
+
+
+def fine_tune(model_dir: Path, steps: int = FINE_TUNE_STEPS) -> None:
+    """Teacher-forced training on the train problems' worked answers (loss on the answer tokens)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    torch.manual_seed(SEED)
+    sequences = []
+    for a, b in problems()[:80]:
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question(a, b)}], add_generation_prompt=True, tokenize=True
+        )
+        prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+        answer = tokenizer.encode(worked_answer(a, b), add_special_tokens=False) + [tokenizer.eos_token_id]
+        sequences.append((prompt, answer))
+    width = max(len(p) + len(a) for p, a in sequences)
+    ids = torch.full((len(sequences), width), tokenizer.pad_token_id)
+    labels = torch.full((len(sequences), width), -100)
+    attention = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, (prompt, answer) in enumerate(sequences):
+        tokens = prompt + answer
+        ids[i, : len(tokens)] = torch.tensor(tokens)
+        labels[i, len(prompt) : len(tokens)] = torch.tensor(answer)
+        attention[i, : len(tokens)] = 1
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    model.train()
+    for _ in range(steps):
+        loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    model.save_pretrained(str(model_dir), safe_serialization=True)
+
+
+def build(output_dir: str | Path) -> dict[str, str]:
+    """Build (or reuse) the model and data under ``output_dir``; returns their paths."""
+    return cached_build(output_dir, VERSION, _make)
+
+
+def _make(output_dir: Path) -> None:
+    from spo_verl.tools.cpu_settings.tiny_model import build_tiny_qwen2, build_tiny_tokenizer
+
+    model_dir = output_dir / "model"
+    tokenizer = build_tiny_tokenizer(model_dir)
+    build_tiny_qwen2(model_dir, tokenizer, seed=SEED)
+    fine_tune(model_dir)
+    write_data(output_dir / "data")
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_cli(build, __doc__))

@@ -1,0 +1,181 @@
+"""The study's pre-declared comparisons (docs/STUDY.md): each run's held-out accuracy at exactly the
+token budget, and differences between algorithms over paired seeds with their standard error, a
+confidence interval, the verdict and the smallest difference the study could detect.
+
+    python -m spo_verl.tools.study.verdict --output-dir outputs/study --budget 16000 \\
+        [--compare spo_tree_cutpoint-grpo_prob_mask,spo_tree_cutpoint-grpo] [--level 0.975] [--csv runs.csv]
+
+**At the budget.** A run stops at the step expected to reach the budget, so its last validation is a
+little past it. Its accuracy at the budget is interpolated linearly in cumulative generated tokens
+between the two validations around the budget (the base model's, at 0 tokens, counts as one); a run
+whose last validation falls short of the budget has no value at it (reported, not extrapolated).
+
+**Paired seeds.** Seed k gives every algorithm the same training data order, so the difference is
+taken seed by seed: its mean over the seeds both algorithms finished, the standard error of that mean,
+a two-sided Student-t interval at ``--level`` (the declared level: 97.5 % for two primary comparisons,
+Bonferroni), and the minimum detectable difference: the true difference the study would find with 80 %
+power at that level, ``(t_(level) + t_(0.8)) * se``. The verdict: "better" when the interval lies above
+0, "worse" when below, else "not resolved", with the interval as the differences it rules out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from spo_verl.tools.metrics_log import read_logged_steps
+
+CUMULATIVE = "spo/generated_tokens_cumulative"
+
+
+def accuracy_key(data: dict, samples: int = 1) -> str | None:
+    suffix = f"/acc/mean@{samples}"
+    return next((key for key in sorted(data) if key.startswith("val-core/") and key.endswith(suffix)), None)
+
+
+def validations(steps: list[tuple[int, dict]]) -> list[tuple[float, float]]:
+    """``(cumulative generated tokens, greedy accuracy)`` at each validation of a run (step 0: 0 tokens)."""
+    points = []
+    for step, data in steps:
+        key = accuracy_key(data)
+        if key is None:
+            continue
+        tokens = 0.0 if step == 0 else data.get(CUMULATIVE)
+        if tokens is not None:
+            points.append((float(tokens), float(data[key])))
+    return points
+
+
+def at_budget(points: list[tuple[float, float]], budget: float) -> float | None:
+    """Linear interpolation of accuracy at ``budget`` tokens between the validations around it; None
+    when no validation reaches the budget."""
+    points = sorted(points)
+    for (t0, a0), (t1, a1) in zip(points, points[1:]):
+        if t0 <= budget <= t1:
+            return a0 if t1 == t0 else a0 + (a1 - a0) * (budget - t0) / (t1 - t0)
+    if points and points[-1][0] == budget:
+        return points[-1][1]
+    return None
+
+
+def _t_pdf(x: float, df: int) -> float:
+    log_norm = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+    return math.exp(log_norm - (df + 1) / 2 * math.log1p(x * x / df))
+
+
+def t_cdf(x: float, df: int, intervals: int = 2000) -> float:
+    """Student-t distribution function (Simpson's rule on the density from 0 to |x|)."""
+    if x == 0:
+        return 0.5
+    h = abs(x) / intervals
+    total = _t_pdf(0, df) + _t_pdf(abs(x), df)
+    total += sum((4 if i % 2 else 2) * _t_pdf(i * h, df) for i in range(1, intervals))
+    half = total * h / 3
+    return 0.5 + half if x > 0 else 0.5 - half
+
+
+def t_quantile(p: float, df: int) -> float:
+    """The ``p`` quantile of Student's t with ``df`` degrees of freedom (bisection on :func:`t_cdf`)."""
+    if not 0 < p < 1 or df < 1:
+        raise ValueError(f"need 0 < p < 1 and df >= 1, got p={p}, df={df}")
+    low, high = -1e3, 1e3
+    for _ in range(100):
+        middle = (low + high) / 2
+        low, high = (middle, high) if t_cdf(middle, df) < p else (low, middle)
+    return (low + high) / 2
+
+
+@dataclass(frozen=True)
+class Paired:
+    algorithm: str
+    reference: str
+    seeds: tuple[int, ...]
+    differences: tuple[float, ...]
+    mean: float | None
+    se: float | None
+    low: float | None
+    high: float | None
+    detectable: float | None  # the minimum detectable difference (80 % power at the interval's level)
+    level: float
+
+    @property
+    def verdict(self) -> str:
+        if self.low is None:
+            return "not resolved (too few seeds)"
+        if self.low > 0:
+            return "better"
+        if self.high < 0:
+            return "worse"
+        return "not resolved"
+
+
+def paired(at: dict[tuple[str, int], float | None], algorithm: str, reference: str, level: float = 0.975) -> Paired:
+    """``at``: (algorithm, seed) -> accuracy at the budget. The difference over the seeds both have."""
+    seeds = sorted(seed for (name, seed), value in at.items()
+                   if name == algorithm and value is not None and at.get((reference, seed)) is not None)
+    differences = tuple(at[(algorithm, s)] - at[(reference, s)] for s in seeds)
+    n = len(differences)
+    mean = sum(differences) / n if n else None
+    if n < 2:
+        return Paired(algorithm, reference, tuple(seeds), differences, mean, None, None, None, None, level)
+    sd = math.sqrt(sum((d - mean) ** 2 for d in differences) / (n - 1))
+    se = sd / math.sqrt(n)
+    t = t_quantile(1 - (1 - level) / 2, n - 1)
+    detectable = (t + t_quantile(0.8, n - 1)) * se
+    return Paired(algorithm, reference, tuple(seeds), differences, mean, se, mean - t * se, mean + t * se, detectable, level)
+
+
+def study_at_budget(output_dir: Path, budget: float) -> dict[tuple[str, int], float | None]:
+    """Every finished run's accuracy at the budget, from its merged metrics (``metrics.jsonl``)."""
+    at = {}
+    for metrics in sorted(output_dir.glob("*/seed*/metrics.jsonl")):
+        if (metrics.parent / "done.json").exists():
+            at[(metrics.parent.parent.name, int(metrics.parent.name.removeprefix("seed")))] = at_budget(
+                validations(read_logged_steps(metrics)), budget)
+    return at
+
+
+def render(results: list[Paired]) -> str:
+    fmt = lambda v: "-" if v is None else f"{100 * v:+.1f}"  # noqa: E731  (points)
+    lines = [f"| comparison (points) | seeds | mean difference | se | {100 * results[0].level:g} % interval | "
+             "minimum detectable | verdict |", "|---|---|---|---|---|---|---|"] if results else []
+    for r in results:
+        lines.append(f"| {r.algorithm} minus {r.reference} | {len(r.seeds)} | {fmt(r.mean)} | "
+                     f"{'-' if r.se is None else f'{100 * r.se:.1f}'} | [{fmt(r.low)}, {fmt(r.high)}] | "
+                     f"{'-' if r.detectable is None else f'{100 * r.detectable:.1f}'} | {r.verdict} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m spo_verl.tools.study.verdict", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output-dir", type=Path, required=True)
+    parser.add_argument("--budget", type=float, required=True, help="the study's token budget")
+    parser.add_argument("--compare", default="", help="comma-separated algorithm-reference pairs (none: only each "
+                                                      "run's accuracy at the budget, e.g. for a tuning sweep)")
+    parser.add_argument("--level", type=float, default=0.975, help="the intervals' level (default 0.975: two "
+                                                                    "primary comparisons, Bonferroni)")
+    parser.add_argument("--csv", type=Path, help="also write each run's accuracy at the budget here")
+    args = parser.parse_args(argv)
+    pairs = [item.split("-", 1) for item in args.compare.split(",") if item]
+    if any(len(pair) != 2 for pair in pairs):
+        parser.error(f"--compare takes algorithm-reference pairs, got {args.compare!r}")
+    at = study_at_budget(args.output_dir, args.budget)
+    if args.csv:
+        with open(args.csv, "w", newline="") as handle:
+            writer = csv.writer(handle)
+            writer.writerow(["algorithm", "seed", "accuracy_at_budget"])
+            writer.writerows([name, seed, "" if value is None else f"{value:.6f}"] for (name, seed), value in sorted(at.items()))
+    for (name, seed), value in sorted(at.items()):
+        print(f"{name}/seed{seed}: accuracy at {args.budget:,.0f} tokens: {'-' if value is None else f'{value:.4f}'}")
+    results = [paired(at, algorithm, reference, args.level) for algorithm, reference in pairs]
+    print(render(results))
+    print(json.dumps([{**r.__dict__, "verdict": r.verdict} for r in results]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
