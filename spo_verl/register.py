@@ -6,10 +6,10 @@ Loaded in every process that imports verl through the ``verl.plugins`` entry poi
 Every Ray process imports it, so it imports no trainer code.
 """
 
-from spo_verl import cpu_platform
+from spo_verl.adapters import cpu_platform
 
 if cpu_platform.selected():  # VERL_PLATFORM=spo_cpu: verl on a machine without an accelerator
     cpu_platform.activate()
 
-from spo_verl import estimators, policy_loss  # noqa: E402, F401  (registration happens on import)
+from spo_verl.adapters import estimators, policy_loss  # noqa: E402, F401  (registration happens on import)
 from spo_verl.adapters.agent_loops import chain_agent_loop, tree_agent_loop  # noqa: E402, F401

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from spo_verl import gpu_environment
+from spo_verl.tools import gpu_environment
 
 REPO = Path(__file__).resolve().parents[1]
 

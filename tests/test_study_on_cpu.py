@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from spo_verl import study
+from spo_verl.tools.study import compare as study
 from spo_verl.tools.metrics_log import read_logged_steps
 
 REPO = Path(__file__).resolve().parents[1]

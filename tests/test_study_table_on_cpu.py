@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from spo_verl import study_table
+from spo_verl.tools.study import table as study_table
 
 
 def write_run(folder, base, final, final_step=10):

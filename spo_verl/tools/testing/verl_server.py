@@ -82,7 +82,7 @@ def _use_cpu_platform() -> None:
     process: if an earlier test already resolved it, replace it (verl's ``set_platform``)."""
     from verl.plugin.platform import platform_manager
 
-    from spo_verl import cpu_platform
+    from spo_verl.adapters import cpu_platform
     from spo_verl.adapters.cpu_platform.platform import CPUPlatform
 
     cpu_platform.activate()
