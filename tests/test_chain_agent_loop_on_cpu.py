@@ -88,7 +88,7 @@ async def test_boundaries_continuations_and_values(tiny_model, recording_client,
         assert len(call["token_ids"]) <= RESPONSE_LENGTH - len(prefix)
     total = sum(out.extra_fields["spo"]["chain"]["mc_continuations"] for out in outputs)
     assert total == len(continuations), "shared estimates are counted once"
-    assert SPOChainAgentLoop._jobs == {}
+    assert len(SPOChainAgentLoop._jobs) == 0
 
 
 @in_session_loop

@@ -115,7 +115,7 @@ async def test_tree_shape_budgets_prefixes_and_log_probs(config, recording_clien
         assert tree_request_ids == {tree_id}, "all calls of one tree use one request id (one server, warm prefix cache)"
     # With ~4% EOS per token and 20-token first segments, some of the 12 first segments stop early.
     assert early_stops >= 1
-    assert SPOTreeAgentLoop._jobs == {}, "finished trees are released"
+    assert len(SPOTreeAgentLoop._jobs) == 0, "finished trees are released"
 
 
 @in_session_loop

@@ -16,29 +16,22 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
-from dataclasses import dataclass
 from typing import Any, ClassVar
 from uuid import uuid4
 
-from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
+from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, register
 from verl.trainer.ppo.reward import get_custom_reward_fn
 from verl.utils.profiler import simple_timer
 from verl.utils.reward_score import default_compute_score
 
-from spo_verl.core.metadata import SPO_FIELD, ChainRow, ChainStatistics, to_extra_field
-from spo_verl.core.config import parse_spo_settings
+from spo_verl.adapters.agent_loops.sessions import PromptJobs, session_output
 from spo_verl.core.algorithms.segments import cut_by_length_limit
+from spo_verl.core.config import parse_spo_settings
+from spo_verl.core.metadata import ChainRow, ChainStatistics
 from spo_verl.core.rollout.chain import BoundaryValueCache, cap_boundaries, monte_carlo_value, segment_starts
-from spo_verl.core.rollout.server_output import check_not_aborted, merged_weight_versions
+from spo_verl.core.rollout.server_output import check_not_aborted
 
 PROCESSED_LOGPROBS = "processed_logprobs"
-
-
-@dataclass
-class _PromptJob:
-    cache: BoundaryValueCache
-    sessions: int
-    finished: int = 0
 
 
 @functools.lru_cache(maxsize=8)
@@ -49,7 +42,8 @@ def _delimiter_token_ids(tokenizer, delimiter: str) -> frozenset[int]:
 
 @register("spo_chain")
 class SPOChainAgentLoop(AgentLoopBase):
-    _jobs: ClassVar[dict[str, _PromptJob]] = {}
+    # The sessions of a prompt share one Monte Carlo estimate per distinct prefix.
+    _jobs: ClassVar[PromptJobs[BoundaryValueCache]] = PromptJobs()
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -67,16 +61,11 @@ class SPOChainAgentLoop(AgentLoopBase):
         self.score_fn = get_custom_reward_fn(self.config) or default_compute_score
 
     async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput:
-        uid = str(kwargs["uid"])
-        job = self._jobs.setdefault(uid, _PromptJob(BoundaryValueCache(), sessions=self.rollout_config.n))
-        try:
-            return await self._run(job, sampling_params, kwargs)
-        finally:
-            job.finished += 1
-            if job.finished == job.sessions:
-                self._jobs.pop(uid, None)
+        with self._jobs.session(str(kwargs["uid"]), self.rollout_config.n, BoundaryValueCache) as values:
+            return await self._run(values, sampling_params, kwargs)
 
-    async def _run(self, job: _PromptJob, sampling_params: dict[str, Any], kwargs: dict[str, Any]) -> AgentLoopOutput:
+    async def _run(self, shared_values: BoundaryValueCache, sampling_params: dict[str, Any],
+                   kwargs: dict[str, Any]) -> AgentLoopOutput:
         prompt_ids = await self.ct_build_initial_tokens(list(kwargs["raw_prompt"]))
         request_id = uuid4().hex  # the response and all its continuations: one server, warm prefix cache
         metrics: dict[str, float] = {}
@@ -97,7 +86,7 @@ class SPOChainAgentLoop(AgentLoopBase):
             starts, capped = cap_boundaries(self.settings, found, self.response_length)
             score = functools.partial(self._score, kwargs)
             estimates = [
-                job.cache.value(
+                shared_values.value(
                     token_ids[:start],
                     functools.partial(
                         monte_carlo_value, self.server_manager.generate, request_id, prompt_ids, token_ids[:start],
@@ -109,7 +98,7 @@ class SPOChainAgentLoop(AgentLoopBase):
             ]
             values = await asyncio.gather(*(task for task, _ in estimates))
         started_here = [value for value, (_, created) in zip(values, estimates) if created]
-        spo = to_extra_field(ChainRow(
+        spo = ChainRow(
             segment_starts=starts,
             boundary_values=[value.value for value in values],
             # The estimators score a truncated response by algorithm.spo.truncated_response_score.
@@ -123,21 +112,8 @@ class SPOChainAgentLoop(AgentLoopBase):
                 no_cutpoint=self.settings.partition == "cutpoint" and not found,
                 capped=capped,
             ),
-        ))
-        return AgentLoopOutput(
-            prompt_ids=prompt_ids,
-            response_ids=token_ids,
-            response_mask=[1] * len(token_ids),
-            response_logprobs=log_probs or None,
-            num_turns=2,
-            metrics=AgentLoopMetrics(**metrics),
-            extra_fields={
-                **merged_weight_versions([output.extra_fields or {}]),
-                SPO_FIELD: spo,
-                "turn_scores": [],
-                "tool_rewards": [],
-            },
         )
+        return session_output(prompt_ids, token_ids, log_probs or None, spo, metrics, [output.extra_fields or {}])
 
     async def _score(self, row: dict[str, Any], response_ids: list[int]) -> float:
         """Score a whole response as verl's reward manager does: decoded without special tokens, with

@@ -22,22 +22,20 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 from uuid import uuid4
 
-from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
+from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, register
 from verl.utils.profiler import simple_timer
 
+from spo_verl.adapters.agent_loops.sessions import PromptJobs, session_output
 from spo_verl.core.algorithms.segments import cut_by_length_limit
-from spo_verl.core.metadata import SPO_FIELD, CutpointTreeStatistics, TreeLeafRow, TreeStatistics, to_extra_field
 from spo_verl.core.config import check_cutpoint_tree_fits, check_tree_fits, parse_spo_settings, tree_segment_budgets
+from spo_verl.core.metadata import CutpointTreeStatistics, TreeLeafRow, TreeStatistics
 from spo_verl.core.rollout.cutpoint_tree import CutpointTree, sample_cutpoint_tree
-from spo_verl.core.rollout.server_output import merged_weight_versions
 from spo_verl.core.rollout.tree import SampledTree, sample_tree
 
 
 @dataclass
 class _TreeJob:
     task: asyncio.Task
-    sessions: int
-    finished: int = 0
     next_slot: itertools.count = field(default_factory=itertools.count)
 
 
@@ -71,7 +69,7 @@ def tree_statistics(tree: SampledTree) -> TreeStatistics:
 
 @register("spo_tree")
 class SPOTreeAgentLoop(AgentLoopBase):
-    _jobs: ClassVar[dict[str, _TreeJob]] = {}
+    _jobs: ClassVar[PromptJobs[_TreeJob]] = PromptJobs()
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -85,19 +83,13 @@ class SPOTreeAgentLoop(AgentLoopBase):
                             self.rollout_config.n, self.settings.align_to_block)
 
     async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput | list[AgentLoopOutput]:
-        uid = str(kwargs["uid"])
-        job = self._jobs.get(uid)
-        if job is None:
-            job = _TreeJob(asyncio.create_task(self._sample(sampling_params, kwargs)), sessions=self.rollout_config.n)
-            self._jobs[uid] = job
-        # The legacy trainer does not number sessions; they start in row order, before any await.
-        slot = int(kwargs["session_id"]) if "session_id" in kwargs else next(job.next_slot)
-        try:
+        def start() -> _TreeJob:
+            return _TreeJob(asyncio.create_task(self._sample(sampling_params, kwargs)))
+
+        with self._jobs.session(str(kwargs["uid"]), self.rollout_config.n, start) as job:
+            # The legacy trainer does not number sessions; they start in row order, before any await.
+            slot = int(kwargs["session_id"]) if "session_id" in kwargs else next(job.next_slot)
             tree, metrics = await job.task
-        finally:
-            job.finished += 1
-            if job.finished == job.sessions:
-                self._jobs.pop(uid, None)
         leaf, first = tree.slot_leaf(slot)
         if first:
             return self._leaf_output(tree, leaf, metrics, trains=True)
@@ -130,7 +122,7 @@ class SPOTreeAgentLoop(AgentLoopBase):
 
     def _leaf_output(self, tree: SampledTree, leaf: int, metrics: dict, trains: bool) -> AgentLoopOutput:
         token_ids, log_probs = tree.prefix(leaf)
-        spo = to_extra_field(TreeLeafRow(
+        spo = TreeLeafRow(
             tree_id=tree.tree_id,  # unique per sampled tree; the estimator checks one tree per uid
             path=tree.path(leaf),
             segment_ends=tree.segment_ends(leaf),
@@ -138,18 +130,5 @@ class SPOTreeAgentLoop(AgentLoopBase):
             # The estimator scores a truncated leaf by algorithm.spo.truncated_response_score.
             truncated=cut_by_length_limit(token_ids, self.response_length, {self.tokenizer.eos_token_id}),
             tree=tree_statistics(tree),
-        ))
-        return AgentLoopOutput(
-            prompt_ids=tree.prompt_ids,
-            response_ids=token_ids,
-            response_mask=[1 if trains else 0] * len(token_ids),
-            response_logprobs=log_probs,
-            num_turns=2,
-            metrics=AgentLoopMetrics(**metrics),
-            extra_fields={
-                **merged_weight_versions(tree.server_fields(leaf)),
-                SPO_FIELD: spo,
-                "turn_scores": [],
-                "tool_rewards": [],
-            },
         )
+        return session_output(tree.prompt_ids, token_ids, log_probs, spo, metrics, tree.server_fields(leaf), trains)

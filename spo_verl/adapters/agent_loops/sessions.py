@@ -1,0 +1,61 @@
+"""What the SPO agent loops share: one job per prompt that the prompt's ``rollout.n`` sessions await
+together, and the output verl's trainer reads from a session.
+
+verl runs each session of a prompt as a fresh agent-loop object in the same worker process, so what the
+sessions share lives in a class-level ``PromptJobs``, keyed by the prompt's uid and dropped when the last
+of its sessions has finished."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar
+
+from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
+
+from spo_verl.core.metadata import SPO_FIELD, SPORow, to_extra_field
+from spo_verl.core.rollout.server_output import merged_weight_versions
+
+Job = TypeVar("Job")
+
+# verl counts a prompt and its response as two turns (its single-turn agent loop reports 2).
+SINGLE_TURN = 2
+
+
+class PromptJobs(Generic[Job]):
+    def __init__(self):
+        self._jobs: dict[str, list] = {}  # uid -> [job, sessions finished]
+
+    def __len__(self) -> int:
+        """Prompts with a session still running."""
+        return len(self._jobs)
+
+    @contextlib.contextmanager
+    def session(self, uid: str, sessions: int, start: Callable[[], Job]) -> Iterator[Job]:
+        """The prompt's job, started by its first session; counts this session finished on leaving."""
+        entry = self._jobs.get(uid)
+        if entry is None:
+            entry = self._jobs[uid] = [start(), 0]
+        try:
+            yield entry[0]
+        finally:
+            entry[1] += 1
+            if entry[1] == sessions:
+                self._jobs.pop(uid, None)
+
+
+def session_output(prompt_ids: list[int], response_ids: list[int], response_logprobs: list[float] | None,
+                   spo: SPORow, metrics: dict[str, float], server_fields: list[dict[str, Any]],
+                   trains: bool = True) -> AgentLoopOutput:
+    """A session's response as verl's single-turn agent loop returns one, its SPO metadata in
+    ``extra_fields["spo"]``; a response that ``trains`` nothing has an all-zero response mask."""
+    return AgentLoopOutput(
+        prompt_ids=prompt_ids,
+        response_ids=response_ids,
+        response_mask=[1 if trains else 0] * len(response_ids),
+        response_logprobs=response_logprobs,
+        num_turns=SINGLE_TURN,
+        metrics=AgentLoopMetrics(**metrics),
+        extra_fields={**merged_weight_versions(server_fields), SPO_FIELD: to_extra_field(spo),
+                      "turn_scores": [], "tool_rewards": []},
+    )
