@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
@@ -19,157 +19,11 @@ NAMESPACE = "algorithm.spo"
 LOSS_NORMALIZATIONS = ("reference", "verl")
 CHAIN_PARTITIONS = ("cutpoint", "fixed_count", "delimiter")
 TRUNCATED_RESPONSE_SCORES = ("zero", "reward_function")
+TREE_BRANCH_POINTS = ("fixed", "cutpoint")
 
 
 class SPOConfigError(ValueError):
     """An ``algorithm.spo.*`` setting is invalid."""
-
-
-@dataclass(frozen=True)
-class ProbMaskSettings:
-    """The probability mask of the policy loss.
-
-    normalization:
-      ``reference``: as the SPO reference code, per micro-batch: advantages whitened over the
-      masked-in tokens, PPO-clip averaged over the masked-in tokens, k3 KL to the reference model
-      summed over masked-in tokens and averaged over sequences. Micro-batches are combined by their
-      share of the mini-batch's response tokens (verl's global normalisation).
-      ``verl``: verl's ``vanilla`` PPO loss and aggregation (``actor.loss_agg_mode``) with the
-      advantage of masked-out tokens set to 0; advantages as the estimator gave them; verl's KL
-      loss over all response tokens. The denominator stays verl's global response-token count, so
-      the step shrinks with the masked-in fraction.
-    """
-
-    threshold: float = 0.9
-    normalization: str = "reference"
-
-
-@dataclass(frozen=True)
-class ChainSettings:
-    """SPO-chain; the paper's headline is cutpoint int5 with 9 MC samples.
-
-    ``max_boundaries`` caps the MC-estimated boundaries of one response and
-    ``max_mc_tokens_per_response`` the tokens its continuations may generate (``mc_samples`` times the
-    room left after each boundary, counted from the first boundary on); null means no cap. Segments
-    past a cap merge into the last kept one, and ``spo/chain/capped_responses`` counts it. Together they
-    bound the MC tokens of a step by ``train_batch_size * rollout.n`` times the per-response cap.
-    """
-
-    partition: str = "cutpoint"
-    cutpoint_threshold: float = 0.9
-    cutpoint_interval: int = 5
-    num_segments: int = 4
-    delimiter: str = "\n\n"
-    mc_samples: int = 9
-    max_boundaries: int | None = None
-    max_mc_tokens_per_response: int | None = None
-
-
-@dataclass(frozen=True)
-class CutpointTreeSettings:
-    """SPO-tree with ``branch_at: cutpoint``: a tree that forks where the model is uncertain.
-
-    Per prompt, ``responses`` whole responses are sampled. On each, the fork points are its cutpoints
-    as SPO-chain finds them (tokens with p < ``threshold`` under softmax(logits / T), every
-    ``interval``-th, a final EOS never), at most ``max_forks`` of them; from the prefix just before
-    each fork token ``width`` continuations are sampled to the end. A path sampled in forking round r
-    forks again while r < ``rounds`` (the first responses are round 0). A prompt has at most
-    ``responses * sum((max_forks * width) ** r for r in 0..rounds)`` leaves, which must fit
-    ``actor_rollout_ref.rollout.n``.
-    """
-
-    responses: int = 4
-    width: int = 2
-    max_forks: int = 2
-    rounds: int = 1
-    threshold: float = 0.9
-    interval: int = 5
-
-
-TREE_BRANCH_POINTS = ("fixed", "cutpoint")
-
-
-@dataclass(frozen=True)
-class TreeSettings:
-    """SPO-tree; the paper's headline is 6-6-6 with 600-token segments on MATH.
-
-    ``segment_tokens`` is the token budget of each depth but the last (which runs to EOS or the
-    response limit): one number for every depth, or one per depth.
-    ``max_trained_segments_per_prompt``: null trains every segment once (on-policy); a number trains at
-    most that many segments per prompt, drawn at random, and leaves the rest out of the actor update
-    (the reference samples 32 per prompt and keeps the rest in a replay buffer for later steps).
-    ``align_to_block``: null, or the rollout engine's KV-cache block size (vLLM's ``block_size``). Each
-    depth's budget is then lengthened by less than a block so that a child's prefix (prompt and
-    parent segments) ends one token past a block boundary. vLLM shares only whole cached blocks and
-    always recomputes a prompt's last token, so each child then recomputes one prompt token instead of
-    up to a block.
-    ``branch_at``: ``fixed`` forks every node into ``branching`` children after ``segment_tokens``
-    tokens; ``cutpoint`` forks at the model's low-probability tokens (``cutpoint``:
-    :class:`CutpointTreeSettings`; ``branching``, ``segment_tokens`` and ``align_to_block`` are unused).
-    """
-
-    branching: tuple[int, ...] = (6, 6, 6)
-    segment_tokens: tuple[int, ...] = (600, 600)
-    std_normalize: bool = False
-    drop_zero_advantage: bool = True
-    max_trained_segments_per_prompt: int | None = None
-    align_to_block: int | None = None
-    branch_at: str = "fixed"
-    cutpoint: CutpointTreeSettings = field(default_factory=CutpointTreeSettings)
-
-
-@dataclass(frozen=True)
-class SampleLogSettings:
-    """A few trained responses per step, written for people to look at (``spo_verl.adapters.trainer.sample_log``).
-
-    ``dir``: a folder; the driver appends one JSON line per training step to ``<dir>/samples.jsonl``
-    (decoded tokens, probabilities, probability mask, segments, advantages, and for SPO-tree the tree
-    with each node's value and advantage). null writes nothing.
-    ``responses_per_step``: responses logged per step (spo_chain, grpo, ...); spo_tree logs the whole
-    tree of one prompt instead (every leaf of it).
-    """
-
-    dir: str | None = None
-    responses_per_step: int = 4
-
-
-@dataclass(frozen=True)
-class SPOSettings:
-    """``truncated_response_score``: what a response cut by the length limit (no EOS at the end of its
-    token budget) scores, for the trajectory reward R of SPO-chain and SPO-tree rows and for the Monte
-    Carlo continuations that estimate SPO-chain's boundary values V, so V and R stay on one scale.
-    ``zero``: 0, as the SPO reference scores an unfinished response. ``reward_function``: what the
-    row's reward function gives the truncated text (verl's behaviour).
-    ``generated_token_budget``: stop training once the rollout has generated this many tokens (each
-    tree node once, chains with their Monte Carlo continuations; ``spo/generated_tokens``), so that
-    algorithms are compared at equal sampling cost: the step that is expected to reach it (from the
-    previous step's count) is the last, with verl's final validation and checkpoint. null: verl's
-    ``trainer.total_training_steps``/``total_epochs`` alone decide.
-    ``packed_training``: the actor and reference forwards run each micro-batch as one packed sequence
-    in which every prefix its rows share (a prompt and its ``rollout.n`` responses, an SPO tree's
-    segments, a preamble common to all prompts) is computed once (``spo_verl.core.packing``), for every
-    algorithm; the results equal the per-row forwards. ``packed_chunk_tokens``: hidden states
-    projected to the vocabulary at a time. ``packed_max_token_ratio``: a micro-batch whose packed
-    tokens exceed this share of its row tokens runs verl's per-row forward instead (packing it would
-    cost more than it saves). ``packed_training_check``: in the first actor update, also run each
-    packed micro-batch per row (no gradient) and log how far the packed log-probs and loss are from it
-    (``spo/packing/check/*``).
-    ``credit_metrics``: each step, where each wrong answer's negative advantage falls relative to its
-    first wrong step (``spo/credit/*``), for tasks whose answers work a generated sum one equation a
-    step (``spo_verl.core.credit.answer_errors``; answers it cannot place are counted, not measured).
-    """
-
-    prob_mask: ProbMaskSettings = field(default_factory=ProbMaskSettings)
-    chain: ChainSettings = field(default_factory=ChainSettings)
-    tree: TreeSettings = field(default_factory=TreeSettings)
-    truncated_response_score: str = "zero"
-    sample_log: SampleLogSettings = field(default_factory=SampleLogSettings)
-    generated_token_budget: int | None = None
-    packed_training: bool = False
-    packed_chunk_tokens: int = 4096
-    packed_max_token_ratio: float = 0.9
-    packed_training_check: bool = False
-    credit_metrics: bool = False
 
 
 def _fail(key: str, allowed: str, value: Any) -> SPOConfigError:
@@ -234,40 +88,155 @@ def _int_or_int_list(key: str, value: Any) -> tuple[int, ...]:
     return _positive_int_list(key, value)
 
 
-_CHECKS = {
-    "truncated_response_score": _choice(TRUNCATED_RESPONSE_SCORES),
-    "prob_mask.threshold": check_probability,
-    "prob_mask.normalization": _choice(LOSS_NORMALIZATIONS),
-    "chain.partition": _choice(CHAIN_PARTITIONS),
-    "chain.cutpoint_threshold": check_probability,
-    "chain.cutpoint_interval": check_positive_int,
-    "chain.num_segments": check_positive_int,
-    "chain.delimiter": _text,
-    "chain.mc_samples": check_positive_int,
-    "chain.max_boundaries": _optional_positive_int,
-    "chain.max_mc_tokens_per_response": _optional_positive_int,
-    "tree.branching": _positive_int_list,
-    "tree.segment_tokens": _int_or_int_list,
-    "tree.std_normalize": _boolean,
-    "tree.drop_zero_advantage": _boolean,
-    "tree.max_trained_segments_per_prompt": _optional_positive_int,
-    "tree.align_to_block": _optional_positive_int,
-    "tree.branch_at": _choice(TREE_BRANCH_POINTS),
-    "tree.cutpoint.responses": check_positive_int,
-    "tree.cutpoint.width": check_positive_int,
-    "tree.cutpoint.max_forks": check_positive_int,
-    "tree.cutpoint.rounds": check_positive_int,
-    "tree.cutpoint.threshold": check_probability,
-    "tree.cutpoint.interval": check_positive_int,
-    "sample_log.dir": _optional_text,
-    "sample_log.responses_per_step": check_positive_int,
-    "generated_token_budget": _optional_positive_int,
-    "packed_training": _boolean,
-    "packed_chunk_tokens": check_positive_int,
-    "packed_max_token_ratio": check_probability,
-    "packed_training_check": _boolean,
-    "credit_metrics": _boolean,
-}
+def setting(default: Any, check: Callable[[str, Any], Any]) -> Any:
+    """A setting's field: its default and the check that turns a raw value into it, or an error naming the
+    setting and the values it allows."""
+    return field(default=default, metadata={"check": check})
+
+
+@dataclass(frozen=True)
+class ProbMaskSettings:
+    """The probability mask of the policy loss.
+
+    normalization:
+      ``reference``: as the SPO reference code, per micro-batch: advantages whitened over the
+      masked-in tokens, PPO-clip averaged over the masked-in tokens, k3 KL to the reference model
+      summed over masked-in tokens and averaged over sequences. Micro-batches are combined by their
+      share of the mini-batch's response tokens (verl's global normalisation).
+      ``verl``: verl's ``vanilla`` PPO loss and aggregation (``actor.loss_agg_mode``) with the
+      advantage of masked-out tokens set to 0; advantages as the estimator gave them; verl's KL
+      loss over all response tokens. The denominator stays verl's global response-token count, so
+      the step shrinks with the masked-in fraction.
+    """
+
+    threshold: float = setting(0.9, check_probability)
+    normalization: str = setting("reference", _choice(LOSS_NORMALIZATIONS))
+
+
+@dataclass(frozen=True)
+class ChainSettings:
+    """SPO-chain; the paper's headline is cutpoint int5 with 9 MC samples.
+
+    ``max_boundaries`` caps the MC-estimated boundaries of one response and
+    ``max_mc_tokens_per_response`` the tokens its continuations may generate (``mc_samples`` times the
+    room left after each boundary, counted from the first boundary on); null means no cap. Segments
+    past a cap merge into the last kept one, and ``spo/chain/capped_responses`` counts it. Together they
+    bound the MC tokens of a step by ``train_batch_size * rollout.n`` times the per-response cap.
+    """
+
+    partition: str = setting("cutpoint", _choice(CHAIN_PARTITIONS))
+    cutpoint_threshold: float = setting(0.9, check_probability)
+    cutpoint_interval: int = setting(5, check_positive_int)
+    num_segments: int = setting(4, check_positive_int)
+    delimiter: str = setting("\n\n", _text)
+    mc_samples: int = setting(9, check_positive_int)
+    max_boundaries: int | None = setting(None, _optional_positive_int)
+    max_mc_tokens_per_response: int | None = setting(None, _optional_positive_int)
+
+
+@dataclass(frozen=True)
+class CutpointTreeSettings:
+    """SPO-tree with ``branch_at: cutpoint``: a tree that forks where the model is uncertain.
+
+    Per prompt, ``responses`` whole responses are sampled. On each, the fork points are its cutpoints
+    as SPO-chain finds them (tokens with p < ``threshold`` under softmax(logits / T), every
+    ``interval``-th, a final EOS never), at most ``max_forks`` of them; from the prefix just before
+    each fork token ``width`` continuations are sampled to the end. A path sampled in forking round r
+    forks again while r < ``rounds`` (the first responses are round 0). A prompt has at most
+    ``responses * sum((max_forks * width) ** r for r in 0..rounds)`` leaves, which must fit
+    ``actor_rollout_ref.rollout.n``.
+    """
+
+    responses: int = setting(4, check_positive_int)
+    width: int = setting(2, check_positive_int)
+    max_forks: int = setting(2, check_positive_int)
+    rounds: int = setting(1, check_positive_int)
+    threshold: float = setting(0.9, check_probability)
+    interval: int = setting(5, check_positive_int)
+
+
+
+@dataclass(frozen=True)
+class TreeSettings:
+    """SPO-tree; the paper's headline is 6-6-6 with 600-token segments on MATH.
+
+    ``segment_tokens`` is the token budget of each depth but the last (which runs to EOS or the
+    response limit): one number for every depth, or one per depth.
+    ``max_trained_segments_per_prompt``: null trains every segment once (on-policy); a number trains at
+    most that many segments per prompt, drawn at random, and leaves the rest out of the actor update
+    (the reference samples 32 per prompt and keeps the rest in a replay buffer for later steps).
+    ``align_to_block``: null, or the rollout engine's KV-cache block size (vLLM's ``block_size``). Each
+    depth's budget is then lengthened by less than a block so that a child's prefix (prompt and
+    parent segments) ends one token past a block boundary. vLLM shares only whole cached blocks and
+    always recomputes a prompt's last token, so each child then recomputes one prompt token instead of
+    up to a block.
+    ``branch_at``: ``fixed`` forks every node into ``branching`` children after ``segment_tokens``
+    tokens; ``cutpoint`` forks at the model's low-probability tokens (``cutpoint``:
+    :class:`CutpointTreeSettings`; ``branching``, ``segment_tokens`` and ``align_to_block`` are unused).
+    """
+
+    branching: tuple[int, ...] = setting((6, 6, 6), _positive_int_list)
+    segment_tokens: tuple[int, ...] = setting((600, 600), _int_or_int_list)
+    std_normalize: bool = setting(False, _boolean)
+    drop_zero_advantage: bool = setting(True, _boolean)
+    max_trained_segments_per_prompt: int | None = setting(None, _optional_positive_int)
+    align_to_block: int | None = setting(None, _optional_positive_int)
+    branch_at: str = setting("fixed", _choice(TREE_BRANCH_POINTS))
+    cutpoint: CutpointTreeSettings = field(default_factory=CutpointTreeSettings)
+
+
+@dataclass(frozen=True)
+class SampleLogSettings:
+    """A few trained responses per step, written for people to look at (``spo_verl.adapters.trainer.sample_log``).
+
+    ``dir``: a folder; the driver appends one JSON line per training step to ``<dir>/samples.jsonl``
+    (decoded tokens, probabilities, probability mask, segments, advantages, and for SPO-tree the tree
+    with each node's value and advantage). null writes nothing.
+    ``responses_per_step``: responses logged per step (spo_chain, grpo, ...); spo_tree logs the whole
+    tree of one prompt instead (every leaf of it).
+    """
+
+    dir: str | None = setting(None, _optional_text)
+    responses_per_step: int = setting(4, check_positive_int)
+
+
+@dataclass(frozen=True)
+class SPOSettings:
+    """``truncated_response_score``: what a response cut by the length limit (no EOS at the end of its
+    token budget) scores, for the trajectory reward R of SPO-chain and SPO-tree rows and for the Monte
+    Carlo continuations that estimate SPO-chain's boundary values V, so V and R stay on one scale.
+    ``zero``: 0, as the SPO reference scores an unfinished response. ``reward_function``: what the
+    row's reward function gives the truncated text (verl's behaviour).
+    ``generated_token_budget``: stop training once the rollout has generated this many tokens (each
+    tree node once, chains with their Monte Carlo continuations; ``spo/generated_tokens``), so that
+    algorithms are compared at equal sampling cost: the step that is expected to reach it (from the
+    previous step's count) is the last, with verl's final validation and checkpoint. null: verl's
+    ``trainer.total_training_steps``/``total_epochs`` alone decide.
+    ``packed_training``: the actor and reference forwards run each micro-batch as one packed sequence
+    in which every prefix its rows share (a prompt and its ``rollout.n`` responses, an SPO tree's
+    segments, a preamble common to all prompts) is computed once (``spo_verl.core.packing``), for every
+    algorithm; the results equal the per-row forwards. ``packed_chunk_tokens``: hidden states
+    projected to the vocabulary at a time. ``packed_max_token_ratio``: a micro-batch whose packed
+    tokens exceed this share of its row tokens runs verl's per-row forward instead (packing it would
+    cost more than it saves). ``packed_training_check``: in the first actor update, also run each
+    packed micro-batch per row (no gradient) and log how far the packed log-probs and loss are from it
+    (``spo/packing/check/*``).
+    ``credit_metrics``: each step, where each wrong answer's negative advantage falls relative to its
+    first wrong step (``spo/credit/*``), for tasks whose answers work a generated sum one equation a
+    step (``spo_verl.core.credit.answer_errors``; answers it cannot place are counted, not measured).
+    """
+
+    prob_mask: ProbMaskSettings = field(default_factory=ProbMaskSettings)
+    chain: ChainSettings = field(default_factory=ChainSettings)
+    tree: TreeSettings = field(default_factory=TreeSettings)
+    truncated_response_score: str = setting("zero", _choice(TRUNCATED_RESPONSE_SCORES))
+    sample_log: SampleLogSettings = field(default_factory=SampleLogSettings)
+    generated_token_budget: int | None = setting(None, _optional_positive_int)
+    packed_training: bool = setting(False, _boolean)
+    packed_chunk_tokens: int = setting(4096, check_positive_int)
+    packed_max_token_ratio: float = setting(0.9, check_probability)
+    packed_training_check: bool = setting(False, _boolean)
+    credit_metrics: bool = setting(False, _boolean)
 
 
 def _plain(value: Any) -> Any:
@@ -295,7 +264,7 @@ def _parse_section(cls: type, raw: Any, prefix: str) -> Any:
         if is_dataclass(default):
             values[f.name] = _parse_section(type(default), raw[f.name], key)
         else:
-            values[f.name] = _CHECKS[key.removeprefix(f"{NAMESPACE}.")](key, raw[f.name])
+            values[f.name] = f.metadata["check"](key, raw[f.name])
     return cls(**values)
 
 
