@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from spo_verl.core.algorithms.segments import length_without_final_eos, select_cutpoints
 from spo_verl.core.config import CutpointTreeSettings
 from spo_verl.core.rollout.chain import low_probability_tokens
-from spo_verl.core.rollout.server_output import check_not_aborted
+from spo_verl.core.rollout.server_output import generate_segment
 from spo_verl.core.rollout.tree import ROOT, Generate, SampledTree, TreeNode
 
 
@@ -82,11 +82,8 @@ async def sample_cutpoint_tree(
         """Sample one path from ``prefix`` (the tokens of the nodes down to ``parent``) to the end,
         split it at its forks and grow the continuations of each fork."""
         params = {**sampling_params, "max_tokens": response_length - len(prefix)}
-        output = await generate(request_id, prompt_ids=tree.prompt_ids + prefix, sampling_params=params)
-        check_not_aborted(output, "tree path")
-        token_ids = list(output.token_ids)
-        log_probs = list(output.log_probs) if output.log_probs is not None else [0.0] * len(token_ids)
-        server_fields = dict(getattr(output, "extra_fields", None) or {})
+        segment = await generate_segment(generate, request_id, tree.prompt_ids + prefix, params, "tree path")
+        token_ids, log_probs, server_fields = segment.token_ids, segment.log_probs, segment.server_fields
         tree.paths += 1
         forks: list[int] = []
         if round_ < settings.rounds and token_ids:

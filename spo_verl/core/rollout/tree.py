@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spo_verl.core.algorithms.segments import cut_by_length_limit
-from spo_verl.core.rollout.server_output import check_not_aborted
+from spo_verl.core.rollout.server_output import generate_segment
 
 Generate = Callable[..., Awaitable[Any]]
 ROOT = 0
@@ -139,11 +139,8 @@ async def sample_tree(
     budgets = aligned_budgets(len(tree.prompt_ids), segment_budgets, align_to_block)
 
     async def grow(node: TreeNode, prefix: list[int], params: dict, is_last: bool) -> None:
-        output = await generate(request_id, prompt_ids=tree.prompt_ids + prefix, sampling_params=params)
-        check_not_aborted(output, "tree segment")
-        node.token_ids = list(output.token_ids)
-        node.log_probs = list(output.log_probs) if output.log_probs is not None else [0.0] * len(node.token_ids)
-        node.server_fields = dict(getattr(output, "extra_fields", None) or {})
+        segment = await generate_segment(generate, request_id, tree.prompt_ids + prefix, params, "tree segment")
+        node.token_ids, node.log_probs, node.server_fields = segment.token_ids, segment.log_probs, segment.server_fields
         node.stopped = (is_last or len(prefix) + len(node.token_ids) >= response_length
                         or _is_stop(node.token_ids, params["max_tokens"], eos_token_ids))
         if not node.stopped:
