@@ -339,10 +339,10 @@ def _former_tree_token_advantages(tree_ids, paths, segment_ends, rewards, respon
     tables, and tokens by scatter/cumsum/gather. Returns what the estimator used (advantages with the
     untrained tokens zeroed) as a fifth value."""
     from spo_verl.core.algorithms.batched import node_depths_batched
-    from spo_verl.core.algorithms.tree_rows import _build_forest_reference, _sample_per_tree
+    from spo_verl.core.algorithms.tree_rows import build_forest_reference, _sample_per_tree
 
     batch_size, length = response_mask.shape
-    forest = _build_forest_reference(tree_ids, paths)
+    forest = build_forest_reference(tree_ids, paths)
     parents = torch.tensor(forest.parents, dtype=torch.long)
     width = max((len(nodes) for nodes in forest.row_nodes), default=0)
     node_rows, end_rows, leaf_rows = [], [], []
@@ -437,7 +437,7 @@ def _same_bits(a, b):
 @pytest.mark.parametrize("seed", range(12))
 def test_tree_rows_fast_path_is_bit_exact_with_the_former_version(seed):
     from spo_verl.core.algorithms import tree_rows
-    from spo_verl.core.algorithms.tree_rows import _build_forest, _build_forest_reference, tree_token_advantages
+    from spo_verl.core.algorithms.tree_rows import build_forest, build_forest_reference, tree_token_advantages
 
     rng = random.Random(seed)
     tree_ids, paths = _random_tree_rows(rng, rng.randint(1, 6), node_ids="str" if seed % 4 == 3 else "int")
@@ -450,8 +450,8 @@ def test_tree_rows_fast_path_is_bit_exact_with_the_former_version(seed):
     response_mask = (torch.arange(length)[None, :] < torch.tensor(lengths)[:, None]).float()
     response_mask[torch.rand(batch, length, generator=torch.Generator().manual_seed(seed)) < 0.05] = 0  # holes
 
-    reference = _build_forest_reference(tree_ids, paths)
-    fast = _build_forest(tree_ids, paths)
+    reference = build_forest_reference(tree_ids, paths)
+    fast = build_forest(tree_ids, paths)
     assert fast.parents == reference.parents and fast.row_nodes == reference.row_nodes
     if seed % 4 != 3:
         assert tree_rows._forest_tables(tree_ids, paths) is not None  # integer ids take the vectorised path

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from spo_verl.core.algorithms.masked_loss import probability_mask
-from spo_verl.core.algorithms.tree_rows import _build_forest
+from spo_verl.core.algorithms.tree_rows import build_forest
 from spo_verl.core.batch_context import TreeNodes, is_padding_uid
 from spo_verl.core.config import SPOSettings, parse_spo_settings
 from spo_verl.adapters.estimators import scores_zero
@@ -118,7 +118,7 @@ def choose_rows(
     if estimator == "spo_tree":
         if tree_nodes is None:
             return []
-        forest = _build_forest(tree_nodes.tree_ids, tree_nodes.paths)
+        forest = build_forest(tree_nodes.tree_ids, tree_nodes.paths)
         trees: dict[Any, list[int]] = {}
         for i in usable:
             if tree_nodes.tree_ids[i] is not None:
@@ -281,7 +281,7 @@ def step_record(
     }
     forest = None
     if estimator == "spo_tree" and tree_nodes is not None:
-        forest = _build_forest(tree_nodes.tree_ids, tree_nodes.paths)
+        forest = build_forest(tree_nodes.tree_ids, tree_nodes.paths)
         if len(forest.parents) != tree_nodes.values.numel():
             raise ValueError(f"sample log: the forest has {len(forest.parents)} nodes, the estimator's values "
                              f"{tree_nodes.values.numel()}")

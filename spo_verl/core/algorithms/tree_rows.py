@@ -38,7 +38,9 @@ class TreeBatchAdvantages:
 
 
 @dataclass
-class _Forest:
+class Forest:
+    """A batch's trees as one forest: a parent per node (-1 for a root), each row's path as node indices."""
+
     parents: list[int]
     row_nodes: list[list[int]]  # global node index of each path node, per row (empty for skipped rows)
 
@@ -50,20 +52,20 @@ class _ForestTables:
     counts: np.ndarray  # (B,) int64 path length of each row, 0 for skipped rows
 
 
-def _build_forest(tree_ids: Sequence[Hashable | None], paths: Sequence[Sequence[int] | None]) -> _Forest:
+def build_forest(tree_ids: Sequence[Hashable | None], paths: Sequence[Sequence[int] | None]) -> Forest:
     """The batch's forest: nodes numbered in order of first appearance (each tree's root when the tree
     first appears, then the path nodes row by row), a parent per node and each row's path as node
     indices. Raises on an empty path, a node under two parents, a leaf returned twice, or a row that
     ends at a node with children."""
     tables = _forest_tables(tree_ids, paths)
     if tables is None:
-        return _build_forest_reference(tree_ids, paths)
-    return _Forest(tables.parents.tolist(),
+        return build_forest_reference(tree_ids, paths)
+    return Forest(tables.parents.tolist(),
                    [nodes[:count] for nodes, count in zip(tables.nodes.tolist(), tables.counts.tolist())])
 
 
-def _build_forest_reference(tree_ids: Sequence[Hashable | None], paths: Sequence[Sequence[int] | None]) -> _Forest:
-    """Plain per-row version of :func:`_build_forest` (any hashable node ids); the source of its errors."""
+def build_forest_reference(tree_ids: Sequence[Hashable | None], paths: Sequence[Sequence[int] | None]) -> Forest:
+    """Plain per-row version of :func:`build_forest` (any hashable node ids); the source of its errors."""
     index: dict[tuple, int] = {}
     parents: list[int] = []
     leaf_rows: dict[int, int] = {}
@@ -96,7 +98,7 @@ def _build_forest_reference(tree_ids: Sequence[Hashable | None], paths: Sequence
     for leaf, row in leaf_rows.items():
         if leaf in has_children:
             raise ValueError(f"row {row} ends at a node that has children in other rows")
-    return _Forest(parents, row_nodes)
+    return Forest(parents, row_nodes)
 
 
 def _as_int64(flat: np.ndarray, size: int) -> np.ndarray | None:
@@ -108,7 +110,7 @@ def _as_int64(flat: np.ndarray, size: int) -> np.ndarray | None:
 
 
 def _forest_tables(tree_ids: Sequence[Hashable | None], paths: Sequence[Sequence[int] | None]) -> _ForestTables | None:
-    """:func:`_build_forest` as arrays, from the flattened paths; None when the paths are not all
+    """:func:`build_forest` as arrays, from the flattened paths; None when the paths are not all
     non-empty sequences of integers or the forest is invalid (the reference builder then decides).
 
     Every row is the run ``root, path...``; a node's key is (tree, id) packed into one integer, its
@@ -175,7 +177,7 @@ def _forest_tables(tree_ids: Sequence[Hashable | None], paths: Sequence[Sequence
     return _ForestTables(parents, nodes, row_counts)
 
 
-def _tables_from_forest(forest: _Forest, batch: int) -> _ForestTables:
+def _tables_from_forest(forest: Forest, batch: int) -> _ForestTables:
     counts = [len(nodes) for nodes in forest.row_nodes]
     width = max(counts, default=0)
     nodes = np.full((batch, width), -1, dtype=np.int64)
@@ -283,7 +285,7 @@ def tree_token_advantages(
     device = rewards.device
     tables = _forest_tables(tree_ids, paths)
     if tables is None:
-        tables = _tables_from_forest(_build_forest_reference(tree_ids, paths), batch_size)
+        tables = _tables_from_forest(build_forest_reference(tree_ids, paths), batch_size)
     end_table = torch.from_numpy(_segment_end_table(tables, segment_ends, length)).to(device)
     width = tables.nodes.shape[1]
     num_nodes = tables.parents.size

@@ -15,7 +15,6 @@ from spo_verl.core.packing.packed_forward import (
     cascade_attention_enabled,
     packed_hidden_states,
     packed_row_log_probs,
-    packed_token_log_probs,
     packed_token_scores,
 )
 from spo_verl.core.packing.tree_pack import PackedTree, pack_sequences
@@ -30,7 +29,6 @@ __all__ = [
     "pack_sequences",
     "packed_hidden_states",
     "packed_row_log_probs",
-    "packed_token_log_probs",
     "packed_token_scores",
     "register_cascade_attention",
 ]

@@ -36,7 +36,6 @@ __all__ = [
     "cascade_attention_enabled",
     "packed_hidden_states",
     "packed_row_log_probs",
-    "packed_token_log_probs",
     "packed_token_scores",
 ]
 
@@ -172,18 +171,6 @@ def packed_token_scores(
     return scores, None
 
 
-def packed_token_log_probs(
-    model: torch.nn.Module,
-    packed: PackedTree,
-    temperature: float = 1.0,
-    chunk_tokens: int = 4096,
-    layout: CascadeLayout | None = None,
-    checkpoint_chunks: bool | None = None,
-) -> torch.Tensor:
-    """(N,) log-prob of every packed token given its path (0 for prompt tokens), one decoder forward."""
-    return packed_token_scores(model, packed, temperature, chunk_tokens, layout, checkpoint_chunks)[0]
-
-
 def packed_row_log_probs(
     model: torch.nn.Module,
     packed: PackedTree,
@@ -195,5 +182,5 @@ def packed_row_log_probs(
     """(B, T_response) log-probs of each row's response tokens, as a per-row forward gives them
     (``log_softmax(logits / temperature)`` of the row's next token), 0 past each row's length and for
     padding rows. Differentiable; one decoder forward over the packed sequence."""
-    token_log_probs = packed_token_log_probs(model, packed, temperature, chunk_tokens, layout, checkpoint_chunks)
+    token_log_probs, _ = packed_token_scores(model, packed, temperature, chunk_tokens, layout, checkpoint_chunks)
     return packed.gather_rows(token_log_probs)

@@ -180,13 +180,13 @@ def tree_and_grpo_responses(leaves: list[Leaf], config, tokenizer, threshold: fl
     trees' metadata), ``spo_tree_pooled`` (the same segments, each value pooled over identical
     prefixes: :func:`pooled_segment_values`) and ``grpo`` (verl's). ``locate(uid, tokens, score)``: the
     first wrong token of a response given its tokens' texts (None for a right or unplaced one)."""
-    from spo_verl.core.algorithms.tree_rows import _build_forest
+    from spo_verl.core.algorithms.tree_rows import build_forest
 
     rows = [leaf.output.extra_fields["spo"] for leaf in leaves]
     _, context = _verl_advantages(leaves, "spo_tree", config, rows)
     grpo_advantages, _ = _verl_advantages(leaves, "grpo", config)
     nodes = context.tree_nodes
-    forest = _build_forest(nodes.tree_ids, nodes.paths)
+    forest = build_forest(nodes.tree_ids, nodes.paths)
     # The leaf rewards the tree estimator used: a response cut by the length limit scores 0.
     rewards = [0.0 if row["truncated"] else leaf.score for row, leaf in zip(rows, leaves)]
     views: dict[str, list[Response]] = {"spo_tree": [], "spo_tree_pooled": [], "grpo": []}
