@@ -17,7 +17,8 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopO
 from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 
 from spo_verl.adapters.estimators import SPOMetadataMissingError
-from spo_verl.adapters.trainer.v1 import SPOTrainer, lift_spo_metrics
+from spo_verl.adapters.trainer.common import lift_spo_metrics
+from spo_verl.adapters.trainer.v1 import SPOTrainer
 
 PAPER_LEAF_REWARDS = [1, 0, 1, 1, 1, 1, 0, 0, 0]
 
@@ -309,3 +310,28 @@ def test_the_replay_buffer_looks_for_finished_rollouts_often():
         trainer_mode="sync", trainer_config={}, max_off_policy_threshold=None, max_off_policy_strategy="drop",
         sampler_kwargs={}).poll_interval == 2.0
     assert buffer.poll_interval == ROLLOUT_POLL_S < 1.0
+
+
+def test_the_sample_log_and_the_credit_metrics_fetch_each_row_once(transfer_queue, tmp_path, monkeypatch):
+    from spo_verl.adapters.trainer import v1
+    from spo_verl.adapters.trainer.sample_log import SAMPLES_FILE, read_records
+
+    outputs = [leaf([1], [5], r) for r in (1.0, 0.0, 1.0, 0.0)]
+    batch = store(outputs, lambda s: "grpo6")
+    put_old_log_probs(batch, [[0.5] * 5] * 4)
+    fetched_rows = []
+    original = v1.tq.kv_batch_get
+
+    def counting_get(keys, partition_id, select_fields=None, **kwargs):
+        if select_fields and "responses" in select_fields:
+            fetched_rows.extend(batch.keys.index(key) for key in keys)
+        return original(keys=keys, partition_id=partition_id, select_fields=select_fields, **kwargs)
+
+    monkeypatch.setattr(v1.tq, "kv_batch_get", counting_get)
+    instance = trainer("grpo", sample_log={"dir": str(tmp_path), "responses_per_step": 2}, credit_metrics=True)
+    instance.tokenizer, instance.global_steps = CharTokenizer(), 3
+    metrics = {}
+    instance._compute_advantage(batch, metrics)
+    assert sorted(fetched_rows) == [0, 1, 2, 3]  # the sample log's two rows, then the other two for the metrics
+    assert len(read_records(tmp_path / SAMPLES_FILE)[0]["responses"]) == 2
+    assert any(key.startswith("spo/credit/") for key in metrics)

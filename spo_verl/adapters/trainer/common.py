@@ -157,3 +157,9 @@ def batch_metrics(context: SPOBatchContext, response_mask) -> dict[str, float]:
         metrics["spo/trained_tokens"] = float(context.trained_mask.sum())
         metrics["spo/trained_token_fraction"] = float(context.trained_mask.sum()) / max(response_tokens, 1.0)
     return metrics
+
+
+def lift_spo_metrics(metrics: dict) -> None:
+    """The loss's ``spo/*`` metrics out of verl's ``actor/`` prefix, beside the step's other ``spo/*``."""
+    for key in [k for k in metrics if k.startswith("actor/spo/")]:
+        metrics[key.removeprefix("actor/")] = metrics.pop(key)

@@ -30,14 +30,13 @@ from verl.trainer.ppo.ray_trainer import RayPPOTrainer, compute_advantage
 
 from spo_verl.core.batch_context import advantages_at_actor_update, is_padding_uid, provide_spo_rows
 from spo_verl.core.metadata import SPO_FIELD
-from spo_verl.adapters.trainer.common import (SPO_ESTIMATORS, batch_metrics, install_spo_actor_loss, plain_validation,
-                                     spo_settings_of, uses_spo_metadata)
+from spo_verl.adapters.trainer.common import (SPO_ESTIMATORS, batch_metrics, install_spo_actor_loss, lift_spo_metrics,
+                                              plain_validation, spo_settings_of, uses_spo_metadata)
 from spo_verl.adapters.trainer.credit_step import step_credit_metrics
 from spo_verl.adapters.trainer.packed_worker import enable_packed_training_on, packed_training_settings
 from spo_verl.adapters.trainer.sample_log import SampledResponse, log_step
 from spo_verl.adapters.trainer.token_budget import GeneratedTokenBudget, step_generated_tokens
 from spo_verl.adapters.trainer.tree_balance import tree_order
-from spo_verl.adapters.trainer.v1 import lift_spo_metrics
 
 
 def spo_advantage_step(data, algorithm_config, rollout_n: int, read_batch=None, settings=None) -> dict[str, float]:

@@ -44,6 +44,7 @@ from spo_verl.adapters.trainer.common import (
     batch_metrics,
     check_no_per_row_rollout_n,
     install_spo_actor_loss,
+    lift_spo_metrics,
     plain_validation,
     spo_rows_from_extra_fields,
     spo_settings_of,
@@ -65,11 +66,6 @@ ROLLOUT_POLL_S = 0.25
 #: log-probs, values, rollout-correction weights). verl's padding rows copy every field of a real row
 #: and reset only the rollout's own to one token; padded this late, the rest keep that row's length.
 LATE_TOKEN_FIELDS = ("old_log_probs", "advantages", "returns", "ref_log_prob", "values", "rollout_is_weights")
-
-
-def lift_spo_metrics(metrics: dict) -> None:
-    for key in [k for k in metrics if k.startswith("actor/spo/")]:
-        metrics[key.removeprefix("actor/")] = metrics.pop(key)
 
 
 @register_trainer(TRAINER_MODE)
@@ -117,8 +113,7 @@ class SPOTrainer(PPOTrainerSync):
             stored = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
                                      select_fields=["uid", "response_mask"])
             self._count_generated_tokens(batch, stored["response_mask"], metrics)
-            self._log_samples(batch, stored, None)
-            self._credit_metrics(batch, stored, None, metrics)
+            self._log_and_measure(batch, stored, None, metrics)
             return batch
         stored = tq.kv_batch_get(
             keys=batch.keys, partition_id=batch.partition_id, select_fields=["extra_fields", "response_mask", "uid"]
@@ -140,8 +135,7 @@ class SPOTrainer(PPOTrainerSync):
                 fields=TensorDict({"response_mask": nested, "loss_mask": nested}, batch_size=len(batch)),
             )
         self._count_generated_tokens(batch, response_mask, metrics)
-        self._log_samples(batch, stored, context)
-        self._credit_metrics(batch, stored, context, metrics)
+        self._log_and_measure(batch, stored, context, metrics)
         return batch
 
     def _count_generated_tokens(self, batch, response_mask, metrics: dict) -> None:
@@ -150,7 +144,20 @@ class SPOTrainer(PPOTrainerSync):
         response_tokens = sum(float(mask.sum()) for mask, real in zip(response_mask.unbind(), real_rows) if real)
         self._token_budget.record(self, step_generated_tokens(response_tokens, metrics), metrics)
 
-    def _responses(self, batch, stored, context, chosen: list[int]) -> list[SampledResponse]:
+    def _log_and_measure(self, batch, stored, context, metrics: dict) -> None:
+        """The sample log and the credit metrics of the step, each row they read fetched once."""
+        fetched: dict[int, SampledResponse] = {}
+
+        def responses(chosen: list[int]) -> list[SampledResponse]:
+            missing = [i for i in chosen if i not in fetched]
+            if missing:
+                fetched.update(zip(missing, self._fetch_responses(batch, stored, context, missing)))
+            return [fetched[i] for i in chosen]
+
+        self._log_samples(batch, stored, context, responses)
+        self._credit_metrics(batch, responses, metrics)
+
+    def _fetch_responses(self, batch, stored, context, chosen: list[int]) -> list[SampledResponse]:
         """Rows ``chosen`` of the step's batch from TransferQueue, as plain per-token sequences.
         ``stored`` holds the batch's uids and its response_mask before SPO narrowed it."""
         data = tq.kv_batch_get(
@@ -165,23 +172,23 @@ class SPOTrainer(PPOTrainerSync):
                                        float(fields["rm_scores"][j].sum()))
                 for j, i in enumerate(chosen)]
 
-    def _credit_metrics(self, batch, stored, context, metrics: dict) -> None:
+    def _credit_metrics(self, batch, responses, metrics: dict) -> None:
         """``algorithm.spo.credit_metrics``: ``spo/credit/*`` over every real row of the step."""
         settings = spo_settings_of(self)
         if not settings.credit_metrics:
             return
         real = [i for i, tag in enumerate(batch.tags) if not tag.get("is_padding", False)]
-        metrics.update(step_credit_metrics(self._responses(batch, stored, context, real), self.tokenizer,
+        metrics.update(step_credit_metrics(responses(real), self.tokenizer,
                                            settings.prob_mask.threshold))
 
-    def _log_samples(self, batch, stored, context) -> None:
+    def _log_samples(self, batch, stored, context, responses) -> None:
         """``algorithm.spo.sample_log``: fetch only the chosen rows from TransferQueue and append them."""
         if spo_settings_of(self).sample_log.dir is None:
             return
         uids = _stored_uids(stored)
         log_step(
             self.global_steps, self.config, self.tokenizer, uids, [int(m.sum()) for m in stored["response_mask"].unbind()],
-            lambda chosen: self._responses(batch, stored, context, chosen),
+            responses,
             rows=context.rows if context is not None else None,
             tree_nodes=context.tree_nodes if context is not None else None,
             padding=[bool(tag.get("is_padding", False)) for tag in batch.tags], settings=spo_settings_of(self),
