@@ -289,6 +289,17 @@ def _launch_env(study: Study, folder: "RunFolder", algorithm: str, seed: int, me
     return env
 
 
+def _launch_command(study: Study, folder: "RunFolder", algorithm: str, seed: int, resume_step: int,
+                    *overrides: str) -> list[str]:
+    """The run script with the study's settings for one arm and seed, starting from the checkpoint of
+    ``resume_step`` (0: from the base model)."""
+    checkpoint = folder.checkpoints / f"global_step_{resume_step}"
+    resume = (["trainer.resume_mode=resume_path", f"trainer.resume_from_path={checkpoint}"] if resume_step
+              else ["trainer.resume_mode=disable"])
+    return ["bash", str(REPO / "scripts" / "spo_launch.sh"), *overrides, *resume,
+            f"data.seed={seed}", f"actor_rollout_ref.rollout.seed={seed}", *study.training_overrides(algorithm)]
+
+
 def _run_logged(command: list[str], env: dict, console: Path, record_process, metrics: Path, name: str,
                 spent: float, budget: int) -> int:
     with open(console, "w") as out:
@@ -313,20 +324,16 @@ def _train(study: Study, folder: "RunFolder", algorithm: str, seed: int) -> bool
     spent = folder.spent_until(resumed_from)
     remaining = max(1, int(study.token_budget - spent))
     metrics = folder.new_attempt(resumed_from)
-    command = [
-        "bash", str(REPO / "scripts" / "spo_launch.sh"),
+    command = _launch_command(
+        study, folder, algorithm, seed, resumed_from,
         f"algorithm.spo.generated_token_budget={remaining}",
         f"algorithm.spo.sample_log.dir={folder.path}",
         # Every validation's answers (verl writes <step>.jsonl: input, output, score), for the error analysis.
         f"trainer.validation_data_dir={folder.path / 'validation'}",
-        f"data.seed={seed}", f"actor_rollout_ref.rollout.seed={seed}",
         f"trainer.val_before_train={str(resumed_from == 0).lower()}",  # step 0: the base model's accuracy
         # Two checkpoints kept: the latest may belong to a step that was never logged.
-        *(["trainer.resume_mode=resume_path", f"trainer.resume_from_path={folder.checkpoints / f'global_step_{resumed_from}'}"]
-          if resumed_from else ["trainer.resume_mode=disable"]),
         "trainer.max_actor_ckpt_to_keep=2",
-        *study.training_overrides(algorithm),
-    ]
+    )
     how = f"resuming from step {resumed_from} ({spent:,.0f} tokens spent)" if resumed_from else "training"
     console = folder.path / f"console-attempt{len(folder.attempts)}.log"
     print(f"compare: {name}: {how} (console: {console})", flush=True)
@@ -357,18 +364,15 @@ def _sampled_validation(study: Study, folder: "RunFolder", algorithm: str, seed:
     metrics = folder.path / SAMPLED_METRICS_FILE
     metrics.unlink(missing_ok=True)
     samples = study.sampled_validation
-    command = [
-        "bash", str(REPO / "scripts" / "spo_launch.sh"),
+    command = _launch_command(
+        study, folder, algorithm, seed, step,
         f"trainer.validation_data_dir={folder.path / 'validation_sampled'}",
         "trainer.val_only=true", "trainer.val_before_train=true",
-        "trainer.resume_mode=resume_path", f"trainer.resume_from_path={folder.checkpoints / f'global_step_{step}'}",
         f"actor_rollout_ref.rollout.val_kwargs.n={samples}", "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
         "actor_rollout_ref.rollout.val_kwargs.temperature=${actor_rollout_ref.rollout.temperature}",
         "actor_rollout_ref.rollout.val_kwargs.top_p=${actor_rollout_ref.rollout.top_p}",
         "actor_rollout_ref.rollout.val_kwargs.top_k=${actor_rollout_ref.rollout.top_k}",
-        f"data.seed={seed}", f"actor_rollout_ref.rollout.seed={seed}",
-        *study.training_overrides(algorithm),
-    ]
+    )
     console = folder.path / "console-sampled-validation.log"
     print(f"compare: {name}: validating the final policy, {samples} samples a problem (console: {console})", flush=True)
     # Not an attempt of the training run: its log is kept apart from the merged training steps.
