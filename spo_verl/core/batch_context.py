@@ -1,9 +1,14 @@
-"""Hands per-trajectory SPO metadata from a trainer adapter to the registered estimators.
+"""Hands per-trajectory SPO metadata from a trainer adapter to the registered estimators: the package's
+one side channel, and why it is one.
 
-verl calls an advantage estimator with rewards, masks, uids and ``config`` only. A trainer adapter
-collects the rollout's metadata (``extra_fields["spo"]`` of each trajectory) in batch order and
-calls verl's own advantage step inside ``provide_spo_rows(rows)``; the estimator reads the rows
-from here and leaves what the trainer needs back (the mask of tokens to train) on the same object.
+verl 0.9.1 calls an advantage estimator with rewards, masks, uids and ``config`` only, and keeps only the
+advantages it returns. A trainer adapter therefore collects the rollout's metadata
+(``extra_fields["spo"]`` of each trajectory) in batch order and calls verl's own advantage step inside
+``provide_spo_rows(rows)``; the estimator reads the rows from this context and leaves what the trainer
+needs back (the mask of tokens to train, the tree's node values for the sample log, metrics) on the same
+object. A verl whose advantage step hands estimators the batch's per-sample fields and takes extra
+outputs back (proposed upstream: verl-project/verl pull request 7473) would remove this module: the
+estimators would take the rows as an argument and return the rest.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ class TreeNodes:
     """What the ``spo_tree`` estimator computed for every node of the batch's forest, for the sample log.
 
     ``tree_ids``/``paths`` are the estimator's per-row inputs (None for rows it skipped); the forest
-    built from them (``spo_verl.core.algorithms.tree_rows._build_forest``) numbers the nodes that
+    built from them (``spo_verl.core.algorithms.tree_rows.build_forest``) numbers the nodes that
     ``values``/``advantages`` are indexed by."""
 
     tree_ids: list[Any]
