@@ -8,7 +8,7 @@ import pytest
 
 from spo_verl.tools.cpu_settings import smollm2
 from spo_verl.core.credit.answer_errors import (count_kinds, error_kind, expected_steps, first_error, first_error_token,
-                                                  main, question_of)
+                                                main, question_of)
 
 
 def test_the_steps_of_a_problem_left_to_right():

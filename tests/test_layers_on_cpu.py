@@ -5,6 +5,7 @@ adapters import no tool; only tools and tests import the test harness (``spo_ver
 import ast
 import importlib
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -94,3 +95,16 @@ def test_a_module_name_from_before_the_layers_is_refused_naming_its_new_place():
         importlib.import_module("spo_verl.rewards")
     with pytest.raises(ModuleNotFoundError, match="No module named 'spo_verl.no_such_module'"):
         importlib.import_module("spo_verl.no_such_module")
+
+
+def test_every_file_of_the_package_the_docs_name_exists_and_has_the_lines_they_cite():
+    cited = set()
+    for doc in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md")), *sorted((REPO / "recipe").rglob("*.md"))]:
+        for path, line in re.findall(r"(spo_verl/[\w/]+\.py)(?::(\d+))?", doc.read_text()):
+            cited.add((doc.name, path, int(line or 0)))
+    assert len(cited) > 50
+    missing = sorted((doc, path) for doc, path, _ in cited if not (REPO / path).is_file())
+    assert not missing
+    beyond = sorted((doc, path, line) for doc, path, line in cited
+                    if line > len((REPO / path).read_text().splitlines()))
+    assert not beyond

@@ -30,7 +30,7 @@ CHECK = textwrap.dedent(
     r"""
     import json, random, sys
     from spo_verl.tools.testing.verl_engine import (start_process_group, build_actor_worker, tree_training_batch,
-                                              parameter_gradients)
+                                                    parameter_gradients)
     start_process_group()
     import torch, verl
     from transformers import AutoTokenizer

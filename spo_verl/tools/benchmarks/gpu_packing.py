@@ -20,7 +20,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from spo_verl.tools.benchmarks.gpu_model import (GradientSum, gradient_differences, measured_call, set_parameter_dtype,
-                                           synchronize)
+                                                 synchronize)
 from spo_verl.tools.benchmarks.timing import compare
 from spo_verl.core.packing import CASCADE_ATTENTION, build_cascade_layout, pack_sequences, packed_row_log_probs
 from spo_verl.core.packing import register_cascade_attention

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 
 from spo_verl.tools.benchmarks.rollout import (BLOCK_SIZE, Counts, Side, agent_config, alternating_rounds, make_side,
-                                         numbered_prompts)
+                                               numbered_prompts)
 from spo_verl.tools.benchmarks.timing import Comparison
 from spo_verl.core.config import check_tree_fits
 from spo_verl.core.rollout.tree import aligned_budgets

@@ -106,7 +106,7 @@ async def measure_task(task: Task, setups: list, value_check: ValueCheck | None 
 
     from spo_verl.core.credit.answer_errors import first_error_token
     from spo_verl.tools.credit.rollouts import (chain_and_grpo_responses, gsm8k_score, rollout_config, sample_rollouts,
-                                          tree_and_grpo_responses)
+                                                tree_and_grpo_responses)
     from spo_verl.tools.credit.values import choose_prefixes, value_prefixes
     from spo_verl.tools.testing.verl_server import start_verl_server
 
