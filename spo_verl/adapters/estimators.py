@@ -130,7 +130,10 @@ def compute_spo_chain_advantage(
     values = torch.zeros(batch_size, width, dtype=torch.float32)
     starts[valid] = torch.tensor([s for row_starts in starts_of for s in row_starts], dtype=torch.long)
     values[valid] = torch.tensor([v for row_values in values_of for v in row_values], dtype=torch.float32)
-    room = response_mask.sum(dim=-1).long().clamp(min=1).cpu()
+    # A segment may start anywhere up to the last trained token: in a multi-turn response the
+    # environment's replies between the turns are in the response but out of the mask.
+    positions = torch.arange(1, length + 1, device=response_mask.device) * (response_mask > 0)
+    room = torch.cat([positions, torch.ones(batch_size, 1, device=positions.device)], dim=1).amax(dim=1).long().cpu()
     increasing = torch.ones_like(valid)
     if width > 1:
         increasing[:, 1:] = starts[:, 1:] > starts[:, :-1]

@@ -1,0 +1,137 @@
+"""SPO over turns: episodes played against an environment (scripted model, the arithmetic dialogue),
+each turn a segment whose value is the Monte Carlo mean of continuing the dialogue from its start, and
+the per-turn advantages through verl's own advantage step, the environment's tokens out of the loss."""
+
+import asyncio
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+from verl import DataProto
+from verl.trainer.ppo.ray_trainer import compute_advantage
+
+import spo_verl.register  # noqa: F401
+from spo_verl.core.batch_context import provide_spo_rows
+from spo_verl.core.config import SPOConfigError
+from spo_verl.core.episodes.arithmetic import ArithmeticDialogue
+from spo_verl.core.episodes.environment import EnvironmentReply, environment_factory
+from spo_verl.core.episodes.episode import (ENDED_BY_ENVIRONMENT, ENVIRONMENT_ERROR, LENGTH_LIMIT, EpisodeRules, play,
+                                            turn_value)
+
+EOS = 9
+# Token -> text of the scripted model's answers; the environment's reply renders as three fixed tokens.
+TEXT = {1: "5 + 3 = 8", 2: "5 + 3 = 9", 3: "It is 8", 4: "8 - 2 = 6", 5: "8 - 2 = 7", 6: "9 - 2 = 7", EOS: ""}
+REPLY = [20, 21, 22]
+PROMPT = [100, 101]
+ROW = {"extra_info": {"start": 5, "operations": [["+", 3], ["-", 2]], "answer": 6}}
+RULES = EpisodeRules(max_turns=4, response_length=32, eos_token_ids={EOS})
+
+
+class ScriptedModel:
+    """Each prefix's answers in turn: at the prompt 8 (right), 9 (wrong), "It is 8" (right, another
+    path); after 8 and the reply: 6 (right), 7, 7; after 9: 7; after "It is 8": 6."""
+
+    SCRIPT = {(): [1, 2, 3], (1,): [4, 5, 5], (2,): [6], (3,): [4]}
+
+    def __init__(self):
+        self.draws: dict[tuple, int] = {}
+
+    async def __call__(self, request_id, *, prompt_ids, sampling_params):
+        answers = tuple(t for t in prompt_ids[len(PROMPT):] if t in TEXT and t != EOS)
+        options = self.SCRIPT[answers]
+        index = self.draws.get(answers, 0)
+        self.draws[answers] = index + 1
+        token = options[index % len(options)]
+        return SimpleNamespace(token_ids=[token, EOS][: sampling_params["max_tokens"]], log_probs=[-0.5, -0.1],
+                               stop_reason="stop", extra_fields={})
+
+
+def render(message):
+    assert message == "Subtract 2 from that."
+    return list(REPLY)
+
+
+def decode(token_ids):
+    return " ".join(TEXT[t] for t in token_ids)
+
+
+def environment():
+    env = ArithmeticDialogue()
+    env.reset(ROW)
+    return env
+
+
+async def _episode_and_values(samples=2):
+    model = ScriptedModel()
+    episode = await play(model, "r", PROMPT, {}, environment(), render, decode, RULES, keep_boundaries=True)
+    values = await asyncio.gather(*(
+        turn_value(model, "r", PROMPT, {}, episode.boundary_environments[k], render, decode, RULES,
+                   episode.turns[:k], samples) for k in range(len(episode.turns))))
+    return episode, values
+
+
+def test_each_turn_gets_the_value_after_it_minus_the_value_before_and_the_replies_none():
+    episode, values = asyncio.run(_episode_and_values())
+    assert episode.ended_by == ENDED_BY_ENVIRONMENT and episode.reward == 1.0
+    assert episode.response_ids == [1, EOS, *REPLY, 4, EOS]
+    assert episode.response_mask == [1, 1, 0, 0, 0, 1, 1]
+    assert episode.response_log_probs == [-0.5, -0.1, 0.0, 0.0, 0.0, -0.5, -0.1]
+    assert episode.turn_starts == [0, 5]
+    # V(prompt): its two continuations start with 9 (then 7: 0) and "It is 8" (then 6: 1), in either order.
+    # V(after 8 and the reply): its two continuations answer 7 and 7: 0.
+    assert [v.value for v in values] == [0.5, 0.0]
+    assert [v.continuation_tokens for v in values] == [8, 4] and [v.unfinished for v in values] == [0, 0]
+
+    length = len(episode.response_ids)
+    data = DataProto.from_dict(
+        tensors={"token_level_rewards": torch.tensor([[0.0] * (length - 1) + [episode.reward]]),
+                 "response_mask": torch.tensor([episode.response_mask], dtype=torch.float32)},
+        non_tensors={"uid": np.array(["dialogue"], dtype=object)})
+    row = {"segment_starts": episode.turn_starts, "boundary_values": [v.value for v in values]}
+    with provide_spo_rows([row]):
+        out = compute_advantage(data, adv_estimator="spo_chain", config=OmegaConf.create({"spo": {}}))
+    # Turn 1: V(after it) - V(prompt) = 0 - 0.5; turn 2: R - V(after turn 1) = 1 - 0; the reply: none.
+    assert out.batch["advantages"][0].tolist() == [-0.5, -0.5, 0.0, 0.0, 0.0, 1.0, 1.0]
+
+
+def test_a_failing_environment_scores_its_episode_zero_and_keeps_the_error():
+    class Failing(ArithmeticDialogue):
+        async def step(self, turn):
+            raise ConnectionError("sandbox unreachable")
+
+    env = Failing()
+    env.reset(ROW)
+    episode = asyncio.run(play(ScriptedModel(), "r", PROMPT, {}, env, render, decode, RULES))
+    assert (episode.ended_by, episode.reward, episode.error) == (ENVIRONMENT_ERROR, 0.0,
+                                                                "ConnectionError: sandbox unreachable")
+    assert episode.response_ids == [1, EOS]
+
+
+def test_an_episode_cut_by_the_length_limit_scores_zero():
+    rules = EpisodeRules(max_turns=4, response_length=6, eos_token_ids={EOS})  # turn, reply, then 1 token left
+    episode = asyncio.run(play(ScriptedModel(), "r", PROMPT, {}, environment(), render, decode, rules))
+    assert episode.ended_by == LENGTH_LIMIT and episode.reward == 0.0
+    assert episode.response_ids == [1, EOS, *REPLY, 4] and episode.response_mask == [1, 1, 0, 0, 0, 1]
+
+
+def test_a_forked_environment_is_independent_of_its_original():
+    env = environment()
+    fork = env.fork()
+    assert asyncio.run(env.step("8")) == EnvironmentReply("Subtract 2 from that.")
+    assert asyncio.run(fork.step("8")) == EnvironmentReply("Subtract 2 from that.")
+    assert asyncio.run(env.step("6")) == EnvironmentReply(done=True, reward=1.0)
+    assert asyncio.run(fork.step("7")) == EnvironmentReply(done=True, reward=0.0)
+
+
+def test_an_environment_is_named_by_its_registered_name_or_its_import_path():
+    assert environment_factory("arithmetic_dialogue") is ArithmeticDialogue
+    assert environment_factory("spo_verl.core.episodes.arithmetic:ArithmeticDialogue") is ArithmeticDialogue
+    with pytest.raises(SPOConfigError, match=r"algorithm\.spo\.turns\.environment must be one of "
+                                             r"\['arithmetic_dialogue'\] or module:attribute, got 'calculater'"):
+        environment_factory("calculater")
+    with pytest.raises(SPOConfigError, match="cannot import it"):
+        environment_factory("no_such_module:Environment")
+    with pytest.raises(ValueError, match="needs extra_info with 'operations' and 'answer'"):
+        ArithmeticDialogue().reset({"extra_info": {}})
