@@ -19,6 +19,7 @@ checkpointed, so only the chunk's hidden states and log-probs stay alive until b
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -171,16 +172,11 @@ def packed_token_scores(
     return scores, None
 
 
-def packed_row_log_probs(
-    model: torch.nn.Module,
-    packed: PackedTree,
-    temperature: float = 1.0,
-    chunk_tokens: int = 4096,
-    layout: CascadeLayout | None = None,
-    checkpoint_chunks: bool | None = None,
-) -> torch.Tensor:
+def packed_row_log_probs(model: torch.nn.Module, packed: PackedTree, temperature: float = 1.0,
+                         **forward_options: Any) -> torch.Tensor:
     """(B, T_response) log-probs of each row's response tokens, as a per-row forward gives them
     (``log_softmax(logits / temperature)`` of the row's next token), 0 past each row's length and for
-    padding rows. Differentiable; one decoder forward over the packed sequence."""
-    token_log_probs, _ = packed_token_scores(model, packed, temperature, chunk_tokens, layout, checkpoint_chunks)
+    padding rows. Differentiable; one decoder forward over the packed sequence (``forward_options``:
+    ``chunk_tokens``, ``layout``, ``checkpoint_chunks`` of :func:`packed_token_scores`)."""
+    token_log_probs, _ = packed_token_scores(model, packed, temperature, **forward_options)
     return packed.gather_rows(token_log_probs)
