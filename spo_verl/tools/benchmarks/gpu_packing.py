@@ -175,7 +175,7 @@ def packed_pass(model, batch: Batch, grads: GradientSum, autocast) -> torch.Tens
     device = batch.weights.device
     packed = pack_sequences(batch.sequences, batch.prompt_lengths, batch.width).to(device)
     with autocast():
-        log_probs = packed_row_log_probs(model, packed, TEMPERATURE, CHUNK_TOKENS)
+        log_probs = packed_row_log_probs(model, packed, TEMPERATURE, chunk_tokens=CHUNK_TOKENS)
     (log_probs * batch.weights).sum().backward()
     grads.fold()
     return log_probs.detach().float()
