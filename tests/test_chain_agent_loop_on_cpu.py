@@ -2,6 +2,7 @@
 verl's advantage step."""
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -141,3 +142,42 @@ def test_cutpoints_need_temperature_scaled_log_probs(tiny_model, reward_file):
     config = chain_config(tiny_model[0], reward_file, "actor_rollout_ref.rollout.logprobs_mode=raw_logprobs")
     with pytest.raises(ValueError, match="logprobs_mode=processed_logprobs"):
         make_agent_loop(SPOChainAgentLoop, config, None, tiny_model[1])
+
+
+@in_session_loop
+async def test_a_multi_turn_episode_against_the_arithmetic_dialogue(tiny_model, recording_client, reward_file):
+    """Each turn a segment: values at each turn start by continuing the dialogue with the environment;
+    the environment's replies (the chat template's user turn) in the response, out of the mask."""
+    from spo_verl.adapters.agent_loops.chain_agent_loop import chat_reply_tokens
+
+    model_dir, tokenizer = tiny_model
+    config = chain_config(model_dir, reward_file, "+algorithm.spo.chain.partition=turn",
+                          "+algorithm.spo.turns.environment=arithmetic_dialogue", "+algorithm.spo.turns.max_turns=3",
+                          "+algorithm.spo.turns.max_turn_tokens=4")
+    before = len(recording_client.calls)
+    outputs = await run_sessions(
+        SPOChainAgentLoop, config, recording_client, tokenizer, "dialogue1",
+        [{"role": "user", "content": "Start with 5. Add 3 to that."}], sampling_params=SAMPLING, data_source="toy",
+        reward_model={"ground_truth": "6"}, extra_info={"start": 5, "operations": [["+", 3], ["-", 2]], "answer": 6})
+    calls = recording_client.calls[before:]
+    reply = chat_reply_tokens(tokenizer, "Subtract 2 from that.")
+    eos = tokenizer.eos_token_id
+    for out in outputs:  # two turns of at most 4 tokens: the environment answers the first, ends after the second
+        meta = out.extra_fields["spo"]
+        first = out.response_mask.index(0)
+        second = meta["segment_starts"][1]
+        closing = [] if out.response_ids[first - 1] == eos else [eos]  # a turn cut at 4 tokens gets its EOS
+        assert meta["segment_starts"] == [0, second] and first <= 4 and len(out.response_ids) - second <= 4
+        assert out.response_ids[first:second] == closing + reply
+        assert out.response_mask == [1] * first + [0] * (second - first) + [1] * (len(out.response_ids) - second)
+        assert out.response_logprobs[first:second] == [0.0] * (second - first)
+        assert out.num_turns == 4  # the prompt, two turns, one reply
+        numbers = re.findall(r"-?\d+", tokenizer.decode(out.response_ids[second:], skip_special_tokens=True))
+        assert out.reward_score == float(bool(numbers) and int(numbers[-1]) == 6)
+        assert all(v * MC_SAMPLES == pytest.approx(round(v * MC_SAMPLES)) for v in meta["boundary_values"])
+    # Every generate call is one turn of at most 4 tokens, after the prompt and a dialogue so far.
+    assert all(call["sampling_params"]["max_tokens"] <= 4 for call in calls)
+    assert all(call["prompt_ids"][: len(outputs[0].prompt_ids)] == outputs[0].prompt_ids for call in calls)
+    continuations = sum(out.extra_fields["spo"]["chain"]["mc_continuations"] for out in outputs)
+    assert continuations % MC_SAMPLES == 0 and continuations >= MC_SAMPLES  # the prompt's value at least
+    assert len(SPOChainAgentLoop._jobs) == 0

@@ -29,7 +29,7 @@ def test_defaults_are_the_papers():
     ("raw", "message"),
     [
         ({"prob_mask": {"normalization": "mean"}}, r"algorithm\.spo\.prob_mask\.normalization must be one of \['reference', 'verl'\], got 'mean'"),
-        ({"chain": {"partition": "words"}}, r"algorithm\.spo\.chain\.partition must be one of \['cutpoint', 'fixed_count', 'delimiter'\]"),
+        ({"chain": {"partition": "words"}}, r"algorithm\.spo\.chain\.partition must be one of \['cutpoint', 'fixed_count', 'delimiter', 'turn'\]"),
         ({"chain": {"cutpoint_interval": 0}}, r"algorithm\.spo\.chain\.cutpoint_interval must be a positive integer, got 0"),
         ({"chain": {"mc_samples": 2.5}}, r"algorithm\.spo\.chain\.mc_samples must be a positive integer"),
         ({"tree": {"branching": []}}, r"algorithm\.spo\.tree\.branching must be a non-empty list of positive integers"),

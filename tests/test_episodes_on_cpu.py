@@ -82,7 +82,7 @@ def test_each_turn_gets_the_value_after_it_minus_the_value_before_and_the_replie
     # V(prompt): its two continuations start with 9 (then 7: 0) and "It is 8" (then 6: 1), in either order.
     # V(after 8 and the reply): its two continuations answer 7 and 7: 0.
     assert [v.value for v in values] == [0.5, 0.0]
-    assert [v.continuation_tokens for v in values] == [8, 4] and [v.unfinished for v in values] == [0, 0]
+    assert [v.continuation_tokens for v in values] == [8, 4] and [v.truncated for v in values] == [0, 0]
 
     length = len(episode.response_ids)
     data = DataProto.from_dict(
@@ -135,3 +135,25 @@ def test_an_environment_is_named_by_its_registered_name_or_its_import_path():
         environment_factory("no_such_module:Environment")
     with pytest.raises(ValueError, match="needs extra_info with 'operations' and 'answer'"):
         ArithmeticDialogue().reset({"extra_info": {}})
+
+
+def test_a_turn_cut_by_max_turn_tokens_goes_to_the_environment_and_the_reply_closes_it():
+    rules = EpisodeRules(max_turns=4, response_length=32, eos_token_ids={EOS}, max_turn_tokens=1)
+    episode = asyncio.run(play(ScriptedModel(), "r", PROMPT, {}, environment(), render, decode, rules))
+    assert episode.ended_by == ENDED_BY_ENVIRONMENT and episode.reward == 1.0  # "8", then "6"
+    assert episode.response_ids == [1, EOS, *REPLY, 4] and episode.response_mask == [1, 0, 0, 0, 0, 1]
+    assert episode.messages == 4  # the prompt, two turns, one reply
+
+
+def test_per_turn_metrics_of_a_batch_of_episodes():
+    from spo_verl.adapters.trainer.common import episode_metrics
+    from spo_verl.core.metadata import ChainRow, EpisodeStatistics, from_extra_field, to_extra_field
+
+    rows = [ChainRow([0, 5], [0.5, 0.0], episode=EpisodeStatistics(2, 3, "environment")),
+            ChainRow([0], [0.25], truncated=True, episode=EpisodeStatistics(1, 0, "error", "ConnectionError: down"))]
+    assert [from_extra_field(to_extra_field(row)) for row in rows] == rows  # as the agent loop hands them on
+    assert episode_metrics(rows) == {
+        "spo/turns/turns_per_episode": 1.5, "spo/turns/reply_tokens_per_episode": 1.5,
+        "spo/turns/ended_by_environment_fraction": 0.5, "spo/turns/environment_errors": 1.0,
+        "spo/turns/value_before_turn1": 0.375, "spo/turns/value_before_turn2": 0.0,
+    }

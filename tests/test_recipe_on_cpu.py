@@ -121,6 +121,14 @@ def test_rollout_n_follows_the_tree_shape():
          r"bypass_mode=true on the legacy trainer \(trainer\.use_v1=false\) replaces actor_rollout_ref\.actor\.policy_loss\.loss_mode=spo_prob_mask"),
         (["algorithm.rollout_correction.bypass_mode=true", "actor_rollout_ref.rollout.calculate_log_probs=false"],
          r"bypass_mode=true takes the rollout's log-probs as the old log-probs: set actor_rollout_ref\.rollout\.calculate_log_probs=true"),
+        # Multi-turn episodes: an environment that exists, turns that leave room for a reply.
+        (["spo_algorithm=spo_chain", "algorithm.spo.chain.partition=turn"],
+         r"algorithm\.spo\.chain\.partition=turn needs algorithm\.spo\.turns\.environment"),
+        (["spo_algorithm=spo_chain", "algorithm.spo.chain.partition=turn", "algorithm.spo.turns.environment=calculater"],
+         r"algorithm\.spo\.turns\.environment must be one of \['arithmetic_dialogue'\] or module:attribute, got 'calculater'"),
+        (["spo_algorithm=spo_chain", "algorithm.spo.chain.partition=turn", "algorithm.spo.turns.environment=arithmetic_dialogue",
+          "algorithm.spo.turns.max_turn_tokens=100000"],
+         r"algorithm\.spo\.turns\.max_turn_tokens=100000 leaves no room in actor_rollout_ref\.rollout\.response_length="),
     ],
 )
 def test_invalid_runs_fail_at_configuration_time(overrides, message):

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 NAMESPACE = "algorithm.spo"
 LOSS_NORMALIZATIONS = ("reference", "verl")
-CHAIN_PARTITIONS = ("cutpoint", "fixed_count", "delimiter")
+CHAIN_PARTITIONS = ("cutpoint", "fixed_count", "delimiter", "turn")
 TRUNCATED_RESPONSE_SCORES = ("zero", "reward_function")
 TREE_BRANCH_POINTS = ("fixed", "cutpoint")
 
@@ -186,6 +186,23 @@ class TreeSettings:
 
 
 @dataclass(frozen=True)
+class TurnSettings:
+    """Multi-turn episodes (``algorithm.spo.chain.partition=turn``): each of the model's turns is a segment,
+    its value the Monte Carlo mean of continuing the dialogue from its start.
+
+    ``environment``: what answers the model's turns (``spo_verl.core.episodes.environment``): a
+    registered name or ``module:attribute``. ``max_turns``: the model's turns an episode may have; one
+    that the environment has not ended by then scores 0. ``max_turn_tokens``: the most tokens of one
+    turn (a turn that reaches it ends there and goes to the environment as it is); null: what is left of
+    the response length.
+    """
+
+    environment: str | None = setting(None, _optional_text)
+    max_turns: int = setting(8, check_positive_int)
+    max_turn_tokens: int | None = setting(None, _optional_positive_int)
+
+
+@dataclass(frozen=True)
 class SampleLogSettings:
     """A few trained responses per step, written for people to look at (``spo_verl.adapters.trainer.sample_log``).
 
@@ -229,6 +246,7 @@ class SPOSettings:
     prob_mask: ProbMaskSettings = field(default_factory=ProbMaskSettings)
     chain: ChainSettings = field(default_factory=ChainSettings)
     tree: TreeSettings = field(default_factory=TreeSettings)
+    turns: TurnSettings = field(default_factory=TurnSettings)
     truncated_response_score: str = setting("zero", _choice(TRUNCATED_RESPONSE_SCORES))
     sample_log: SampleLogSettings = field(default_factory=SampleLogSettings)
     generated_token_budget: int | None = setting(None, _optional_positive_int)
@@ -281,6 +299,9 @@ def parse_spo_settings(raw: Mapping | None) -> SPOSettings:
     """``algorithm.spo`` (a dict, an OmegaConf node or None for all defaults) to validated settings."""
     settings = _parse_section(SPOSettings, raw, NAMESPACE)
     _check_tree_shape(settings.tree)
+    if settings.chain.partition == "turn" and settings.turns.environment is None:
+        raise SPOConfigError(f"{NAMESPACE}.chain.partition=turn needs {NAMESPACE}.turns.environment: the environment "
+                             f"that answers the model's turns (a registered name or module:attribute)")
     return settings
 
 

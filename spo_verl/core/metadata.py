@@ -68,6 +68,15 @@ class ChainStatistics:
 
 
 @dataclass(frozen=True)
+class EpisodeStatistics:
+    """One multi-turn episode, for the ``spo/turns/*`` metrics."""
+    turns: int  # the model's turns
+    reply_tokens: int  # the environment's tokens in the response (out of the loss)
+    ended_by: str  # environment, turns, length or error
+    environment_error: str | None = None
+
+
+@dataclass(frozen=True)
 class TreeLeafRow:
     path: list[int]
     segment_ends: list[int]
@@ -83,6 +92,7 @@ class ChainRow:
     boundary_values: list[float]
     truncated: bool = False
     chain: ChainStatistics | None = None
+    episode: EpisodeStatistics | None = None  # a multi-turn episode: its segments are the model's turns
 
 
 SPORow = TreeLeafRow | ChainRow
@@ -127,6 +137,8 @@ def from_extra_field(value: Any) -> SPORow | None:
         row["tree"] = _statistics(CutpointTreeStatistics if "forks" in row["tree"] else TreeStatistics, row["tree"])
     if row.get("chain") is not None:
         row["chain"] = _statistics(ChainStatistics, row["chain"])
+    if row.get("episode") is not None:
+        row["episode"] = _statistics(EpisodeStatistics, row["episode"])
     return cls(**row)
 
 

@@ -13,6 +13,7 @@ from typing import Any, Generic, TypeVar
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
 
+from spo_verl.core.episodes.episode import Episode
 from spo_verl.core.metadata import SPO_FIELD, SPORow, to_extra_field
 from spo_verl.core.rollout.server_output import merged_weight_versions
 
@@ -46,15 +47,20 @@ class PromptJobs(Generic[Job]):
 
 def session_output(prompt_ids: list[int], response_ids: list[int], response_logprobs: list[float] | None,
                    spo: SPORow, metrics: dict[str, float], server_fields: list[dict[str, Any]],
-                   trains: bool = True) -> AgentLoopOutput:
+                   trains: bool = True, episode: Episode | None = None) -> AgentLoopOutput:
     """A session's response as verl's single-turn agent loop returns one, its SPO metadata in
-    ``extra_fields["spo"]``; a response that ``trains`` nothing has an all-zero response mask."""
+    ``extra_fields["spo"]``; a response that ``trains`` nothing has an all-zero response mask. An
+    ``episode``'s response keeps the environment's replies out of the mask, counts its messages as
+    verl's tool agent loop does (the prompt, each turn, each reply) and carries its reward, so that
+    verl's reward step does not score the dialogue again."""
+    mask = episode.response_mask if episode is not None else [1] * len(response_ids)
     return AgentLoopOutput(
         prompt_ids=prompt_ids,
         response_ids=response_ids,
-        response_mask=[1 if trains else 0] * len(response_ids),
+        response_mask=[m if trains else 0 for m in mask],
         response_logprobs=response_logprobs,
-        num_turns=SINGLE_TURN,
+        num_turns=SINGLE_TURN if episode is None else episode.messages,
+        reward_score=None if episode is None else episode.reward,
         metrics=AgentLoopMetrics(**metrics),
         extra_fields={**merged_weight_versions(server_fields), SPO_FIELD: to_extra_field(spo),
                       "turn_scores": [], "tool_rewards": []},

@@ -152,10 +152,29 @@ def batch_metrics(context: SPOBatchContext, response_mask) -> dict[str, float]:
             metrics["spo/chain/boundary_value_std"] = float(np.std(values))
             metrics["spo/chain/boundary_value_min"] = float(np.min(values))
             metrics["spo/chain/boundary_value_max"] = float(np.max(values))
+    episodes = [row for row in chains if row.episode is not None]
+    if episodes:
+        metrics.update(episode_metrics(episodes))
     if context.trained_mask is not None:
         response_tokens = float(response_mask.sum())
         metrics["spo/trained_tokens"] = float(context.trained_mask.sum())
         metrics["spo/trained_token_fraction"] = float(context.trained_mask.sum()) / max(response_tokens, 1.0)
+    return metrics
+
+
+def episode_metrics(rows: list[ChainRow]) -> dict[str, float]:
+    """``spo/turns/*``: the model's turns an episode, the environment's tokens, how episodes ended, and
+    the mean value of the dialogue at the start of each turn (turn 1: the prompt's)."""
+    stats = [row.episode for row in rows]
+    metrics = {
+        "spo/turns/turns_per_episode": float(np.mean([s.turns for s in stats])),
+        "spo/turns/reply_tokens_per_episode": float(np.mean([s.reply_tokens for s in stats])),
+        "spo/turns/ended_by_environment_fraction": float(np.mean([s.ended_by == "environment" for s in stats])),
+        "spo/turns/environment_errors": float(sum(s.environment_error is not None for s in stats)),
+    }
+    for turn in range(1, max(len(row.boundary_values) for row in rows) + 1):
+        values = [row.boundary_values[turn - 1] for row in rows if len(row.boundary_values) >= turn]
+        metrics[f"spo/turns/value_before_turn{turn}"] = float(np.mean(values))
     return metrics
 
 

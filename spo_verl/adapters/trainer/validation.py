@@ -27,6 +27,7 @@ from verl.utils.import_utils import FILE_PATH_PREFIX, PKG_PATH_PREFIX, import_ex
 
 import spo_verl.register  # noqa: F401  (agent loops registered before they are looked up)
 from spo_verl.core.config import check_cutpoint_tree_fits, check_tree_fits, parse_spo_settings, tree_segment_budgets
+from spo_verl.core.episodes.environment import environment_factory
 from spo_verl.adapters.policy_loss import LOSS_NAME
 from spo_verl.adapters.trainer.common import SPO_AGENT_LOOPS, SPO_ESTIMATORS, TRAINER_MODE
 
@@ -73,9 +74,23 @@ def validate_spo_run(config: Any) -> None:
                         settings.tree.align_to_block)
         warn_if_segments_split_blocks(settings.tree, rollout, config.trainer.get("device", "cuda"))
 
+    if estimator == "spo_chain" and settings.chain.partition == "turn":
+        check_episodes(settings.turns, rollout.response_length)
+
     if settings.packed_training:
         check_packed_training(config)
     check_rollout_log_probs_as_old(config)
+
+
+def check_episodes(turns: Any, response_length: int) -> None:
+    """Multi-turn episodes: the environment can be made, and a turn leaves room for a reply."""
+    environment_factory(turns.environment)
+    if turns.max_turn_tokens is not None and turns.max_turn_tokens >= response_length:
+        raise ValueError(
+            f"algorithm.spo.turns.max_turn_tokens={turns.max_turn_tokens} leaves no room in "
+            f"actor_rollout_ref.rollout.response_length={response_length} for the environment's reply and a second "
+            f"turn: lower it or raise the response length"
+        )
 
 
 def check_registered_names(config: Any) -> None:

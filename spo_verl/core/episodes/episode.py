@@ -1,9 +1,9 @@
 """Episodes played turn by turn over verl's ``generate`` interface.
 
-The model's turn is sampled to its end-of-turn token (EOS) or to what is left of the response length;
-the environment answers it; its message, rendered as the tokens that follow the model's turn (the chat
-template's user turn and the assistant's header: ``render``), is appended, and the next turn is sampled
-after it. The response verl trains on is every turn and every reply in order; the replies are masked
+The model's turn is sampled to its end-of-turn token (EOS), to ``max_turn_tokens`` or to what is left
+of the response length; the environment answers it; its message, rendered as the tokens that follow the
+model's turn (the chat template's user turn and the assistant's header: ``render``), is appended (after
+an EOS of its own where the turn was cut short), and the next turn is sampled after it. The response verl trains on is every turn and every reply in order; the replies are masked
 out of the loss (``response_mask`` 0) and carry no log-probs.
 
 A turn boundary is the start of a model turn: the prompt before the first, the dialogue after each
@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from spo_verl.core.episodes.environment import Environment
+from spo_verl.core.rollout.chain import BoundaryValue
 from spo_verl.core.rollout.server_output import generate_segment
 
 Generate = Callable[..., Awaitable[object]]
@@ -69,6 +70,11 @@ class Episode:
         return starts
 
     @property
+    def messages(self) -> int:
+        """The prompt, each turn and each reply: what verl's tool agent loop counts as turns."""
+        return 1 + len(self.turns) + sum(bool(turn.reply_ids) for turn in self.turns)
+
+    @property
     def model_tokens(self) -> int:
         return sum(len(turn.token_ids) for turn in self.turns)
 
@@ -78,6 +84,7 @@ class EpisodeRules:
     max_turns: int
     response_length: int  # the whole response: every turn and every reply
     eos_token_ids: Collection[int]
+    max_turn_tokens: int | None = None  # a turn that reaches it ends there; None: the rest of the response
 
 
 async def play(generate: Generate, request_id: str, prompt_ids: list[int], sampling_params: dict,
@@ -93,12 +100,13 @@ async def play(generate: Generate, request_id: str, prompt_ids: list[int], sampl
             return episode
         if keep_boundaries:
             episode.boundary_environments.append(environment.fork())
+        budget = min(room, rules.max_turn_tokens or room)
         segment = await generate_segment(generate, request_id, prompt_ids + episode.response_ids,
-                                         {**sampling_params, "max_tokens": room}, "episode turn")
+                                         {**sampling_params, "max_tokens": budget}, "episode turn")
         turn = Turn(segment.token_ids, segment.log_probs, server_fields=segment.server_fields)
         episode.turns.append(turn)
         ended_turn = bool(turn.token_ids) and turn.token_ids[-1] in rules.eos_token_ids
-        if not ended_turn:  # cut by the length limit in the middle of the turn
+        if not ended_turn and len(turn.token_ids) >= room:  # cut by the response length inside the turn
             episode.ended_by = LENGTH_LIMIT
             return episode
         try:
@@ -109,31 +117,24 @@ async def play(generate: Generate, request_id: str, prompt_ids: list[int], sampl
         if reply.done:
             episode.ended_by, episode.reward = ENDED_BY_ENVIRONMENT, float(reply.reward or 0.0)
             return episode
-        turn.reply_ids = list(render(reply.message))
+        turn.reply_ids = ([] if ended_turn else [min(rules.eos_token_ids)]) + list(render(reply.message))
     episode.ended_by = TURN_LIMIT
     return episode
 
 
-@dataclass
-class TurnValue:
-    value: float
-    continuations: int
-    continuation_tokens: int  # the model's tokens the continuations generated (replies not counted)
-    unfinished: int  # continuations the environment did not end (scored 0)
-
-
 async def turn_value(generate: Generate, request_id: str, prompt_ids: list[int], sampling_params: dict,
                      environment: Environment, render: Render, decode: Decode, rules: EpisodeRules,
-                     played: Sequence[Turn], samples: int) -> TurnValue:
+                     played: Sequence[Turn], samples: int) -> BoundaryValue:
     """Mean reward of ``samples`` continuations of the dialogue ``played``, each with its own fork of
-    ``environment`` (the environment at that boundary), all under one request id."""
+    ``environment`` (the environment at that boundary), all under one request id. Its cost counts the
+    model's tokens only, and as truncated the continuations the environment did not end (scored 0)."""
     episodes = await asyncio.gather(*(
         play(generate, request_id, prompt_ids, sampling_params, environment.fork(), render, decode, rules, played)
         for _ in range(samples)))
     already = sum(len(turn.token_ids) for turn in played)
-    return TurnValue(
+    return BoundaryValue(
         value=sum(episode.reward for episode in episodes) / samples,
         continuations=samples,
         continuation_tokens=sum(episode.model_tokens - already for episode in episodes),
-        unfinished=sum(episode.ended_by != ENDED_BY_ENVIRONMENT for episode in episodes),
+        truncated=sum(episode.ended_by != ENDED_BY_ENVIRONMENT for episode in episodes),
     )
