@@ -108,3 +108,9 @@ def test_every_file_of_the_package_the_docs_name_exists_and_has_the_lines_they_c
     beyond = sorted((doc, path, line) for doc, path, line in cited
                     if line > len((REPO / path).read_text().splitlines()))
     assert not beyond
+
+
+def test_the_tools_find_the_repository_they_run_from():
+    import spo_verl.tools
+
+    assert spo_verl.tools.REPO == REPO and (REPO / "scripts" / "spo_launch.sh").is_file()

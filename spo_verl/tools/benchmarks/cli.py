@@ -24,6 +24,7 @@ from spo_verl.tools.benchmarks.report import Report, header, render, table
 from spo_verl.tools.benchmarks.timing import compare, measure_memory_case, memory_report
 from spo_verl.tools.benchmarks.tree_rollout_report import SMOLLM2_MODEL, benchmark_smollm2_trees, tree_section
 from spo_verl.core.rollout.tree import aligned_budgets
+from spo_verl.tools import REPO
 
 ESTIMATOR_TARGET = 3.0
 LOSS_TARGET = 1.1
@@ -166,9 +167,8 @@ def _loss_reason(name: str) -> str:
 
 def e2e_step_times() -> str:
     """Step times of the end-to-end CPU runs from verl's file logger, if any ran here."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     rows = []
-    for path in sorted(glob.glob(os.path.join(root, "logs", "*", "*", "metrics-*.jsonl"))):
+    for path in sorted(glob.glob(os.path.join(REPO, "logs", "*", "*", "metrics-*.jsonl"))):
         times = []
         with open(path) as lines:
             for line in lines:

@@ -11,6 +11,8 @@ import platform
 import subprocess
 from dataclasses import dataclass, field
 
+from spo_verl.tools import REPO
+
 HIT, MISS = "hit", "**MISS**"
 
 
@@ -73,7 +75,7 @@ def _memory_gib() -> str:
 
 def _commit() -> str:
     try:
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        root = str(REPO)
         out = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
         dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True, timeout=10)

@@ -29,9 +29,9 @@ from pathlib import Path
 
 import psutil
 
+from spo_verl.tools import REPO
 from spo_verl.tools.metrics_log import read_logged_steps
 
-REPO = Path(__file__).resolve().parents[2]
 PER_ROW = "per-row (verl's default)"
 PACKED = "packed + rollout log-probs"
 CONFIGURATIONS = {

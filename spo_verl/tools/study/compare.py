@@ -46,9 +46,9 @@ from pathlib import Path
 
 import psutil
 
+from spo_verl.tools import REPO
 from spo_verl.tools.metrics_log import read_logged_steps
 
-REPO = Path(__file__).resolve().parents[1]
 ALGORITHMS = ("spo_tree", "spo_chain", "grpo", "grpo_prob_mask", "spo_tree_cutpoint")
 SETTINGS = ("cpu-smollm2", "cpu-tiny", "gsm8k-rhomath-1.1b", "math-r1-1.5b")
 VALIDATION_KEY_PREFIX = "val-core/"
