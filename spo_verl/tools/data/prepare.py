@@ -210,17 +210,26 @@ def make_row(
     return row
 
 
+def _convert_extracted(record: Mapping[str, Any], split: str, index: int, agent_name: str | None, dataset: str,
+                       kind: str, fields: tuple[str, str], extract: Any, missing: str) -> dict[str, Any]:
+    """A record of ``kind`` (math, gsm8k) whose ground truth is extracted from its answer text
+    (``fields``: question, answer); ``missing`` says what the answer lacks when ``extract`` finds none."""
+    where = f"{dataset}/{split}"
+    question = _text_field(record, (fields[0],), where, index)
+    raw_answer = _text_field(record, (fields[1],), where, index)
+    answer = extract(raw_answer)
+    if answer is None:
+        raise PrepareDataError(f"{where}: record {index} field '{fields[1]}' has no {missing} final answer")
+    instruction = GSM8K_INSTRUCTION if kind == "gsm8k" else MATH_INSTRUCTION
+    return make_row(data_source=DATASETS[kind].data_source, question=question, instruction=instruction,
+                    ground_truth=answer, split=split, index=index, raw_answer=raw_answer, agent_name=agent_name)
+
+
 def convert_math(record: Mapping[str, Any], split: str, index: int, agent_name: str | None = None,
                  *, dataset: str = "math") -> dict[str, Any]:
     """A MATH record (``problem``, ``solution``) -> row; the ground truth is the last ``\\boxed{}``."""
-    where = f"{dataset}/{split}"
-    problem = _text_field(record, ("problem",), where, index)
-    solution = _text_field(record, ("solution",), where, index)
-    answer = extract_boxed_answer(solution)
-    if answer is None:
-        raise PrepareDataError(f"{where}: record {index} field 'solution' has no \\boxed{{...}} final answer")
-    return make_row(data_source=DATASETS["math"].data_source, question=problem, instruction=MATH_INSTRUCTION,
-                    ground_truth=answer, split=split, index=index, raw_answer=solution, agent_name=agent_name)
+    return _convert_extracted(record, split, index, agent_name, dataset, "math", ("problem", "solution"),
+                              extract_boxed_answer, "\\boxed{...}")
 
 
 def convert_math500(record: Mapping[str, Any], split: str, index: int, agent_name: str | None = None,
@@ -258,14 +267,8 @@ def convert_aime(record: Mapping[str, Any], split: str, index: int, agent_name: 
 def convert_gsm8k(record: Mapping[str, Any], split: str, index: int, agent_name: str | None = None,
                   *, dataset: str = "gsm8k") -> dict[str, Any]:
     """A GSM8K record (``question``, ``answer`` ending in ``#### 42``) -> row with ground truth "42"."""
-    where = f"{dataset}/{split}"
-    question = _text_field(record, ("question",), where, index)
-    raw_answer = _text_field(record, ("answer",), where, index)
-    answer = extract_gsm8k_answer(raw_answer)
-    if answer is None:
-        raise PrepareDataError(f"{where}: record {index} field 'answer' has no '#### <number>' final answer")
-    return make_row(data_source=DATASETS["gsm8k"].data_source, question=question, instruction=GSM8K_INSTRUCTION,
-                    ground_truth=answer, split=split, index=index, raw_answer=raw_answer, agent_name=agent_name)
+    return _convert_extracted(record, split, index, agent_name, dataset, "gsm8k", ("question", "answer"),
+                              extract_gsm8k_answer, "'#### <number>'")
 
 
 CONVERTERS = {"math": convert_math, "math500": convert_math500, "aime24": convert_aime, "gsm8k": convert_gsm8k}
