@@ -280,20 +280,13 @@ def _assemble(
         response_index[row, : response_lengths[row]] = flat[prompt_lengths[row]:]
 
     return PackedTree(
-        input_ids=input_ids,
-        position_ids=position_ids,
-        previous_position=previous_position,
+        # per packed token
+        input_ids=input_ids, position_ids=position_ids, previous_position=previous_position,
         node_of_token=node_of_token,
-        node_starts=node_starts,
-        node_lengths=node_lengths,
-        node_parents=node_parents,
-        node_depths=node_depths,
-        node_tree=torch.tensor(trees, **long),
-        node_ancestors=ancestors,
-        row_tree=row_tree,
-        row_prompt_lengths=row_prompt_lengths,
-        row_response_lengths=row_response_lengths,
-        row_index=row_index,
-        response_index=response_index,
-        tree_token_spans=tree_spans,
+        # per node
+        node_starts=node_starts, node_lengths=node_lengths, node_parents=node_parents, node_depths=node_depths,
+        node_tree=torch.tensor(trees, **long), node_ancestors=ancestors,
+        # per row, per tree
+        row_tree=row_tree, row_prompt_lengths=row_prompt_lengths, row_response_lengths=row_response_lengths,
+        row_index=row_index, response_index=response_index, tree_token_spans=tree_spans,
     )
