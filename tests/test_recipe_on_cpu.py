@@ -137,6 +137,21 @@ def test_invalid_runs_fail_at_configuration_time(overrides, message):
         validate_spo_run(compose_recipe(*overrides))
 
 
+def test_multi_turn_episodes_need_a_chat_template_that_ends_a_turn_with_eos(tiny_model, tmp_path):
+    model_dir, tokenizer = tiny_model
+    turns = ("spo_algorithm=spo_chain", "algorithm.spo.chain.partition=turn",
+             "algorithm.spo.turns.environment=arithmetic_dialogue")
+    validate_spo_run(compose_recipe(*turns, f"actor_rollout_ref.model.path={model_dir}"))
+    tokenizer.save_pretrained(tmp_path)
+    plain = tmp_path / "tokenizer_config.json"
+    settings = json.loads(plain.read_text())
+    settings["chat_template"] = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    plain.write_text(json.dumps(settings))
+    (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
+    with pytest.raises(ValueError, match="the chat template does not end an assistant turn with the EOS token"):
+        validate_spo_run(compose_recipe(*turns, f"actor_rollout_ref.model.path={tmp_path}"))
+
+
 @pytest.mark.parametrize(
     ("overrides", "warning"),
     [

@@ -75,15 +75,16 @@ def validate_spo_run(config: Any) -> None:
         warn_if_segments_split_blocks(settings.tree, rollout, config.trainer.get("device", "cuda"))
 
     if estimator == "spo_chain" and settings.chain.partition == "turn":
-        check_episodes(settings.turns, rollout.response_length)
+        check_episodes(settings.turns, rollout.response_length, config.actor_rollout_ref.model.path)
 
     if settings.packed_training:
         check_packed_training(config)
     check_rollout_log_probs_as_old(config)
 
 
-def check_episodes(turns: Any, response_length: int) -> None:
-    """Multi-turn episodes: the environment can be made, and a turn leaves room for a reply."""
+def check_episodes(turns: Any, response_length: int, model_path: str) -> None:
+    """Multi-turn episodes: the environment can be made, a turn leaves room for a reply, and the model's
+    chat template renders a reply after a turn (where its tokenizer can be loaded here)."""
     environment_factory(turns.environment)
     if turns.max_turn_tokens is not None and turns.max_turn_tokens >= response_length:
         raise ValueError(
@@ -91,6 +92,15 @@ def check_episodes(turns: Any, response_length: int) -> None:
             f"actor_rollout_ref.rollout.response_length={response_length} for the environment's reply and a second "
             f"turn: lower it or raise the response length"
         )
+    from verl.utils import hf_tokenizer
+
+    from spo_verl.adapters.agent_loops.chain_agent_loop import chat_reply_tokens
+
+    try:
+        tokenizer = hf_tokenizer(model_path)
+    except OSError:  # a hub model on a machine without its files: the first episode checks it
+        return
+    chat_reply_tokens(tokenizer, "")
 
 
 def check_registered_names(config: Any) -> None:
