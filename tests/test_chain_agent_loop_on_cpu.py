@@ -158,7 +158,7 @@ async def test_a_multi_turn_episode_against_the_arithmetic_dialogue(tiny_model, 
     outputs = await run_sessions(
         SPOChainAgentLoop, config, recording_client, tokenizer, "dialogue1",
         [{"role": "user", "content": "Start with 5. Add 3 to that."}], sampling_params=SAMPLING, data_source="toy",
-        reward_model={"ground_truth": "6"}, extra_info={"start": 5, "operations": [["+", 3], ["-", 2]], "answer": 6})
+        reward_model={"ground_truth": "6"}, extra_info={"start": 5, "operations": ["+3", "-2"], "answer": 6})
     calls = recording_client.calls[before:]
     reply = chat_reply_tokens(tokenizer, "Subtract 2 from that.")
     eos = tokenizer.eos_token_id

@@ -25,7 +25,7 @@ EOS = 9
 TEXT = {1: "5 + 3 = 8", 2: "5 + 3 = 9", 3: "It is 8", 4: "8 - 2 = 6", 5: "8 - 2 = 7", 6: "9 - 2 = 7", EOS: ""}
 REPLY = [20, 21, 22]
 PROMPT = [100, 101]
-ROW = {"extra_info": {"start": 5, "operations": [["+", 3], ["-", 2]], "answer": 6}}
+ROW = {"extra_info": {"start": 5, "operations": ["+3", "-2"], "answer": 6}}
 RULES = EpisodeRules(max_turns=4, response_length=32, eos_token_ids={EOS})
 
 

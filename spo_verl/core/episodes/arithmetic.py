@@ -3,7 +3,7 @@
 The prompt gives the starting number and the first operation; the model answers with the new number;
 the environment gives the next operation, and after the last one ends the episode: reward 1 if the
 last number of the model's last turn is the result, else 0. The row's ``extra_info`` holds
-``start``, ``operations`` (pairs of "+" or "-" and a number) and ``answer``."""
+``operations`` ("+3", "-2", ...: the first is the prompt's) and ``answer``."""
 
 from __future__ import annotations
 
@@ -21,20 +21,13 @@ def operation_message(operation: str, number: int) -> str:
     return OPERATION_WORDS[operation].format(number)
 
 
-def dialogue_result(start: int, operations: list[tuple[str, int]]) -> int:
-    value = start
-    for operation, number in operations:
-        value = value + number if operation == "+" else value - number
-    return value
-
-
 @register_environment("arithmetic_dialogue")
 class ArithmeticDialogue(CopiedEnvironment):
     def reset(self, data: Mapping[str, Any]) -> None:
         info = data.get("extra_info") or {}
         if "operations" not in info or "answer" not in info:
             raise ValueError("arithmetic_dialogue needs extra_info with 'operations' and 'answer' in each row")
-        self.operations = [(str(op), int(number)) for op, number in info["operations"]]
+        self.operations = [(str(op)[0], int(str(op)[1:])) for op in info["operations"]]
         self.answer = int(info["answer"])
         self.answered = 0  # the prompt holds the first operation
 
