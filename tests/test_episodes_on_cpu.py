@@ -114,6 +114,10 @@ def test_an_episode_cut_by_the_length_limit_scores_zero():
     episode = asyncio.run(play(ScriptedModel(), "r", PROMPT, {}, environment(), render, decode, rules))
     assert episode.ended_by == LENGTH_LIMIT and episode.reward == 0.0
     assert episode.response_ids == [1, EOS, *REPLY, 4] and episode.response_mask == [1, 1, 0, 0, 0, 1]
+    # A reply that would leave no room for the next turn is not appended: the response stays in its length.
+    rules = EpisodeRules(max_turns=4, response_length=5, eos_token_ids={EOS})
+    episode = asyncio.run(play(ScriptedModel(), "r", PROMPT, {}, environment(), render, decode, rules))
+    assert (episode.ended_by, episode.reward, episode.response_ids) == (LENGTH_LIMIT, 0.0, [1, EOS])
 
 
 def test_a_forked_environment_is_independent_of_its_original():

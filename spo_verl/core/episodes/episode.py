@@ -117,7 +117,11 @@ async def play(generate: Generate, request_id: str, prompt_ids: list[int], sampl
         if reply.done:
             episode.ended_by, episode.reward = ENDED_BY_ENVIRONMENT, float(reply.reward or 0.0)
             return episode
-        turn.reply_ids = ([] if ended_turn else [min(rules.eos_token_ids)]) + list(render(reply.message))
+        reply_ids = ([] if ended_turn else [min(rules.eos_token_ids)]) + list(render(reply.message))
+        if len(episode.response_ids) + len(reply_ids) >= rules.response_length:  # no room for the next turn
+            episode.ended_by = LENGTH_LIMIT
+            return episode
+        turn.reply_ids = reply_ids
     episode.ended_by = TURN_LIMIT
     return episode
 
