@@ -179,7 +179,7 @@ def e2e_step_times() -> str:
                 if value is not None:
                     times.append(float(value))
         if len(times) > 1:
-            rows.append([os.path.relpath(path, root), len(times), f"{statistics.median(times[1:]):.1f}"])
+            rows.append([os.path.relpath(path, REPO), len(times), f"{statistics.median(times[1:]):.1f}"])
     if not rows:
         return ("No end-to-end run's metric file (`logs/<project>/<experiment>/metrics-*.jsonl`) was found on this "
                 "machine; on the tiny CPU setting a step takes seconds (README: ~4 s after the first) while "
