@@ -6,7 +6,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -433,12 +432,10 @@ def cpu_tiny_cache(tiny_model, tmp_path):
 
 
 def test_a_mistyped_loss_mode_stops_the_run_script_with_one_line_before_ray(cpu_tiny_cache, tmp_path):
-    started = time.monotonic()
     result = run_script("run_grpo.sh", "actor_rollout_ref.actor.policy_loss.loss_mode=vanila",
                         f"hydra.run.dir={tmp_path / 'hydra'}", SETTING="cpu-tiny", SPO_CPU_CACHE=str(cpu_tiny_cache),
                         VERL_FILE_LOGGER_PATH=str(tmp_path / "metrics.jsonl"), TENSORBOARD_DIR=str(tmp_path / "tb"),
                         CHECKPOINT_DIR=str(tmp_path / "checkpoints"))
-    seconds = time.monotonic() - started
     output = result.stdout + result.stderr  # the CPU settings send both through one console filter
     assert result.returncode == 2, output[-3000:]
     last = [line for line in result.stdout.splitlines() if line.strip()][-1]
@@ -446,10 +443,9 @@ def test_a_mistyped_loss_mode_stops_the_run_script_with_one_line_before_ray(cpu_
                            "loss; registered: ["), output[-3000:]
     assert "'vanilla'" in last and "'spo_prob_mask'" in last
     assert "Traceback" not in output and "Error executing job" not in output
+    # Refused before Ray and the trainer: no Ray instance, no metrics file, no checkpoint folder.
     assert "Started a local Ray instance" not in output
-    # Three Python starts (the cache, the environment, the entry point's imports): ~12 s on two cores;
-    # a trainer's start alone takes minutes.
-    assert seconds < 60, seconds
+    assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "checkpoints").exists()
 
 
 def test_another_verl_is_named_with_the_list_of_internals_to_check(capsys):
