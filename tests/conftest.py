@@ -99,6 +99,21 @@ def tiny_model(tmp_path_factory):
     return str(directory), tokenizer
 
 
+@pytest.fixture
+def cpu_tiny_cache(tiny_model, tmp_path):
+    """A cpu-tiny cache folder (spo_verl/tools/cpu_settings/cache.py) around the session's tiny model, without
+    the setting's fine-tuning: for what never loads the model (a run refused before Ray) or
+    loads it into the session's server."""
+    from spo_verl.tools.cpu_settings import tiny
+
+    cache = tmp_path / "cpu-tiny"
+    cache.mkdir()
+    (cache / "model").symlink_to(tiny_model[0])
+    tiny.write_data(cache / "data")
+    (cache / "built.json").write_text(json.dumps({"version": tiny.VERSION}))
+    return cache
+
+
 @pytest.fixture(scope="session")
 def smollm2_cache(tmp_path_factory):
     """The cpu-smollm2 setting's model folder and data, converted once per session (~40 s)."""

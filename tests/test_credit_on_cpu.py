@@ -3,8 +3,10 @@ that localises an error perfectly, GRPO's uniform advantage, the probability mas
 of identical tokens in the same context; and the rollouts they read, through verl's agent loop and
 advantage step on verl's server."""
 
+import csv
 import gzip
 import math
+import os
 
 import pytest
 
@@ -289,9 +291,69 @@ async def test_chain_and_grpo_advantages_of_the_same_chains_and_their_values_che
         assert (r.estimate_samples, r.reference_samples) == (2, 5)
 
 
+@in_session_loop
+async def test_the_credit_command_measures_tree_chain_and_grpo_on_the_same_responses(llm_client, cpu_tiny_cache, tmp_path,
+                                                                                     monkeypatch):
+    """``python -m spo_verl.tools.credit --quick`` on verl's server: its task measured (trees and chains
+    through the agent loops, every estimator through verl's advantage step, the value check) and kept as
+    the sweep keeps a finished task, then the command itself, which keeps that task and writes the
+    sweep's files. The session's server serves the cpu-tiny setting's model without its fine-tuning, so
+    here the answers are wrong and unplaced; the page's example is checked on placed ones below."""
+    from spo_verl.adapters.cpu_platform.environment import cpu_run_env
+    from spo_verl.tools.credit.__main__ import QUICK_SETUPS, ValueCheck, keep_task, main, measure_task, tiny_task
+
+    monkeypatch.setenv("SPO_CPU_CACHE", str(cpu_tiny_cache))
+    for key, value in cpu_run_env().items():  # what the command sets, restored after the test
+        monkeypatch.setenv(key, os.environ.get(key, value))
+    task = tiny_task(4)
+    output = tmp_path / "output"
+    (output / "tasks").mkdir(parents=True)
+    keep_task(output / "tasks", task, *await measure_task(task, list(QUICK_SETUPS.values()), ValueCheck(12, 8),
+                                                          client=llm_client))
+    assert main(["--quick", "--prompts", "4", "--output-dir", str(output)]) == 0
+    with open(output / "responses.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    # Every leaf once per estimator, GRPO's and the pooled rows over the same responses as SPO-tree's;
+    # every chain once as SPO-chain's and once as GRPO's, with the tokens its Monte Carlo values cost.
+    by_estimator = {e: [(r["response_id"], r["tokens"], r["reward"]) for r in rows if r["estimator"] == e and r["setup"] == "tiny"]
+                    for e in ("spo_tree", "spo_tree_pooled", "grpo")}
+    assert by_estimator["spo_tree"] and by_estimator["spo_tree"] == by_estimator["grpo"] == by_estimator["spo_tree_pooled"]
+    chains = {e: [(r["response_id"], r["tokens"], r["reward"]) for r in rows if r["estimator"] == e and r["setup"] == "tiny_chain"]
+              for e in ("spo_chain", "grpo")}
+    assert len(chains["spo_chain"]) == 3 * 4 and chains["spo_chain"] == chains["grpo"]
+    # A boundary prefix shared by a prompt's chains is valued once and charged to the chain that asked first,
+    # so a chain may cost nothing, but each prompt's chains together cost their continuations.
+    mc_by_prompt: dict[str, int] = {}
+    for r in rows:
+        if r["estimator"] == "spo_chain":
+            mc_by_prompt[r["prompt_uid"]] = mc_by_prompt.get(r["prompt_uid"], 0) + int(r["mc_tokens"])
+    assert len(mc_by_prompt) == 4 and all(tokens > 0 for tokens in mc_by_prompt.values()), mc_by_prompt
+    assert {r["prompt_uid"] for r in rows} == {f"p{i}" for i in range(4)}
+    for row in rows:
+        length = int(row["length"])
+        assert len(row["advantages"].split()) == len(row["in_loss"].split()) == len(row["tokens"].split()) == length
+        if row["first_error_token"]:
+            assert float(row["reward"]) < 1 and 0 <= int(row["first_error_token"]) < length
+    table = (output / "table.md").read_text()
+    assert "| tiny_add | 1 | tiny | spo_tree | all tokens |" in table and "| tiny_add | 1 | tiny | grpo | net |" in table
+    with open(output / "summary.csv", newline="") as handle:
+        summary = list(csv.DictReader(handle))
+    assert {r["estimator"] for r in summary} >= {"spo_tree", "spo_tree_pooled", "spo_chain", "grpo"}
+    # The value check on the chains' prefixes: each valued by the chain's 4 continuations and a reference of 8.
+    with open(output / "values.csv", newline="") as handle:
+        values = list(csv.DictReader(handle))
+    assert len(values) >= 12 and {v["kind"] for v in values} <= {"boundary", "before_error", "after_error"}
+    assert all((v["estimate_samples"], v["reference_samples"]) == ("4", "8") for v in values)
+    assert {v["response_id"] for v in values} <= {r["response_id"] for r in rows if r["setup"] == "tiny_chain"}
+    assert "| tiny_add |" in (output / "values.md").read_text()
+    assert "values_calibration.png" in (output / "credit.html").read_text()
+    assert (output / "values_calibration.png").stat().st_size > 0
+
+
 def test_the_tables_recompute_from_responses_csv(tmp_path):
     """responses.csv holds everything the measures need: read back, it gives the same summary."""
-    from spo_verl.tools.credit.__main__ import Task, read_responses, summary_rows, write_responses, write_summary
+    from spo_verl.tools.credit.__main__ import (Task, read_responses, summary_rows, write_responses, write_summary,
+                                                write_views)
     from spo_verl.tools.credit.rollouts import TreeSetup
 
     task = Task("steps3", 3, "model", [], 0, 0, {})
@@ -314,6 +376,13 @@ def test_the_tables_recompute_from_responses_csv(tmp_path):
     assert (on_error["net"]["wrong_placed"], on_error["net"]["right"], on_error["net"]["prompts"]) == (2, 1, 2)
     write_summary(rows, tmp_path / "summary.csv", tmp_path / "table.md")
     assert "| steps3 | 3 | study | spo_tree | all tokens | 0.75 [" in (tmp_path / "table.md").read_text()
+    # The page shows the first placed wrong answer that every estimator blames, under each of them.
+    grpo = [response(r.prompt_uid, r.response_id, r.reward, r.tokens, [0.5 if r.reward else -0.5] * len(r.tokens),
+                     first_error=r.first_error) for r in group]
+    write_responses(path, [(task, setup, "spo_tree", r) for r in group] + [(task, setup, "grpo", r) for r in grpo])
+    write_views(tmp_path, lambda token: f"<t{token}>")
+    page = (tmp_path / "credit.html").read_text()
+    assert "<h2>steps3, study" in page and "&lt;t3&gt;" in page
 
 
 def test_the_paired_difference_to_grpo_is_over_the_same_responses():

@@ -6,8 +6,7 @@ weight sync, on the tiny ``cpu-tiny`` setting (spo_verl/tools/cpu_settings/tiny.
 no settings, trains the CPU default (``cpu-smollm2``: SmolLM2-135M, whose tied head must sync into
 vLLM) for two steps, and the study command ``scripts/compare.sh --quick`` (SPO-tree, then SPO-chain) is
 stopped after its first checkpoint, resumed (SPO-tree alone, then validated by sampling) and run once
-more (SPO-chain), report included. The credit command's quick form (``python -m spo_verl.tools.credit
---quick``) runs beside them.
+more (SPO-chain), report included.
 
 A run costs about two minutes of two cores, almost all of it verl, Ray and vLLM starting (the table
 at the end of the session splits each run's time by phase), so each run covers every seam its
@@ -195,19 +194,24 @@ def _run_case(case: TrainerCase, cache: Path, work: Path) -> Case:
 
 
 README_STEPS = 2  # of the setting's 4: each SmolLM2 step costs about a minute of both cores here
+# The run's problems (SMOLLM2_TASK): SPO-tree trains nothing in a step whose trees' leaves all agree, and
+# the test needs an update to check the tied head's sync. The default task's samples agree on 62 % of
+# prompts, so both steps' 8 trees agreed in about 2 % of runs (a CI run failed so); add_add's agree on
+# 36 % (docs/RESULTS.md's calibration), so about 3 in 10,000 runs train nothing.
+README_TASK = "add_add"
 
 
 def _run_readme_command(work: Path) -> Run:
     """``bash scripts/run_spo_tree.sh`` with no settings, as the README shows it: on a machine without a
     GPU it must pick the CPU default (SmolLM2) itself. Only the model cache (built here, in the run's
-    slot) and the number of steps are the tests' own."""
+    slot), the number of steps and the task (README_TASK) are the tests' own."""
     from spo_verl.tools.cpu_settings import smollm2 as cpu_smollm2
 
     work.mkdir(parents=True)
     smollm2_folder = work / "cpu-smollm2"
     cpu_smollm2.build(smollm2_folder)
     env = {k: v for k, v in os.environ.items() if k not in ("SETTING", "ALGORITHM", "VERL_FILE_LOGGER_PATH")}
-    env.update(SPO_SMOLLM2_CACHE=str(smollm2_folder), TOTAL_TRAINING_STEPS=str(README_STEPS))
+    env.update(SPO_SMOLLM2_CACHE=str(smollm2_folder), TOTAL_TRAINING_STEPS=str(README_STEPS), SMOLLM2_TASK=README_TASK)
     started = time.perf_counter()
     log = work / "readme.log"
     with open(log, "w") as out:
@@ -215,20 +219,6 @@ def _run_readme_command(work: Path) -> Run:
                                  stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S)
     metrics = re.search(r"^spo: logs -> .* and (\S+); checkpoints", log.read_text(), re.MULTILINE)
     return Run(process.returncode, log, [REPO / metrics.group(1)] if metrics else [], time.perf_counter() - started)
-
-
-def _run_credit_command(work: Path, cache: Path) -> Run:
-    """``python -m spo_verl.tools.credit --quick``: trees on cpu-tiny through verl's agent loop and server, the
-    estimators through verl's advantage step, the CSVs and the table."""
-    work.mkdir(parents=True)
-    env = {**os.environ, "SPO_CPU_CACHE": str(cache)}
-    started = time.perf_counter()
-    log = work / "credit.log"
-    with open(log, "w") as out:
-        process = subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-m", "spo_verl.tools.credit", "--quick", "--prompts",
-                                  "4", "--output-dir", str(work / "output")], cwd=REPO, env=env, stdout=out,
-                                 stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S)
-    return Run(process.returncode, log, [], time.perf_counter() - started)
 
 
 # The study trains SPO-tree (killed, resumed) and then SPO-chain: its runs are the v1 trainer's cases of both.
@@ -324,11 +314,9 @@ def runs(request, tmp_path_factory, run_times):
         # The longest runs first, so they start at once and the short ones fill the slots around them.
         study = pool.submit(_in_slots, slots, 1, _run_study, work / "study", cache)
         readme = pool.submit(_in_slots, slots, 2, _run_readme_command, work / "readme")
-        credit = pool.submit(_in_slots, slots, 1, _run_credit_command, work / "credit", cache)
         futures = {case.id: pool.submit(_in_slots, slots, 1, _run_case, case, cache, work / case.id) for case in CASES}
         results = {case_id: future.result() for case_id, future in futures.items()}
         results["readme"] = readme.result()
-        results["credit"] = credit.result()
         results["study"] = study.result()
     for name, result in results.items():
         named = ({"first": result.first, "resumed": result.resumed} if isinstance(result, Case) else
@@ -585,53 +573,6 @@ def test_study_resumes_a_killed_run_and_skips_a_finished_one(runs):
     page = (report / "report.html").read_text()
     assert "<svg" in page and "SPO tree" in page and "data:image/png;base64," in page
     assert "Where the credit goes: SPO-tree against GRPO" in page and "GRPO: A " in page
-
-
-def test_the_credit_command_measures_tree_chain_and_grpo_on_the_same_responses(runs):
-    run: Run = runs["credit"]
-    assert run.returncode == 0, run.failure()
-    output = run.log.parent / "output"
-    with open(output / "responses.csv", newline="") as handle:
-        rows = list(csv.DictReader(handle))
-    # Every leaf once per estimator, GRPO's and the pooled rows over the same responses as SPO-tree's;
-    # every chain once as SPO-chain's and once as GRPO's, with the tokens its Monte Carlo values cost.
-    by_estimator = {e: [(r["response_id"], r["tokens"], r["reward"]) for r in rows if r["estimator"] == e and r["setup"] == "tiny"]
-                    for e in ("spo_tree", "spo_tree_pooled", "grpo")}
-    assert by_estimator["spo_tree"] and by_estimator["spo_tree"] == by_estimator["grpo"] == by_estimator["spo_tree_pooled"]
-    chains = {e: [(r["response_id"], r["tokens"], r["reward"]) for r in rows if r["estimator"] == e and r["setup"] == "tiny_chain"]
-              for e in ("spo_chain", "grpo")}
-    assert len(chains["spo_chain"]) == 3 * 4 and chains["spo_chain"] == chains["grpo"]
-    # A boundary prefix shared by a prompt's chains is valued once and charged to the chain that asked first,
-    # so a chain may cost nothing, but each prompt's chains together cost their continuations.
-    mc_by_prompt: dict[str, int] = {}
-    for r in rows:
-        if r["estimator"] == "spo_chain":
-            mc_by_prompt[r["prompt_uid"]] = mc_by_prompt.get(r["prompt_uid"], 0) + int(r["mc_tokens"])
-    assert len(mc_by_prompt) == 4 and all(tokens > 0 for tokens in mc_by_prompt.values()), mc_by_prompt
-    assert {r["prompt_uid"] for r in rows} == {f"p{i}" for i in range(4)}
-    for row in rows:
-        length = int(row["length"])
-        assert len(row["advantages"].split()) == len(row["in_loss"].split()) == len(row["tokens"].split()) == length
-        if row["first_error_token"]:
-            assert float(row["reward"]) < 1 and 0 <= int(row["first_error_token"]) < length
-    # The tiny model gets some answers wrong at a placeable step: the table has something to say.
-    assert any(row["first_error_token"] for row in rows)
-    table = (output / "table.md").read_text()
-    assert "| tiny_add | 1 | tiny | spo_tree | all tokens |" in table and "| tiny_add | 1 | tiny | grpo | net |" in table
-    with open(output / "summary.csv", newline="") as handle:
-        summary = list(csv.DictReader(handle))
-    on_error = [r for r in summary if r["measure"] == "on_error" and r["value"]]
-    assert on_error and all(0 <= float(r["low"]) <= float(r["high"]) <= 1 for r in on_error)
-    # The value check on the chains' prefixes: each valued by the chain's 4 continuations and a reference of 8.
-    with open(output / "values.csv", newline="") as handle:
-        values = list(csv.DictReader(handle))
-    assert len(values) >= 12 and {v["kind"] for v in values} <= {"boundary", "before_error", "after_error"}
-    assert all((v["estimate_samples"], v["reference_samples"]) == ("4", "8") for v in values)
-    assert {v["response_id"] for v in values} <= {r["response_id"] for r in rows if r["setup"] == "tiny_chain"}
-    assert "| tiny_add |" in (output / "values.md").read_text()
-    page = (output / "credit.html").read_text()
-    assert "<h2>tiny_add, " in page and "values_calibration.png" in page  # a wrong answer under each estimator
-    assert (output / "values_calibration.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize("algorithm", STUDY_ALGORITHMS)

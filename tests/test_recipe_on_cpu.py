@@ -417,20 +417,6 @@ def test_every_setting_composes_with_every_algorithm(setting, tiny_model):
             assert config.trainer.n_gpus_per_node == 8 and actor.optim.lr == pytest.approx(1e-6)
 
 
-@pytest.fixture
-def cpu_tiny_cache(tiny_model, tmp_path):
-    """A cpu-tiny cache folder (spo_verl/tools/cpu_settings/cache.py) around the session's tiny model, without
-    the setting's fine-tuning: a run refused before Ray never loads it."""
-    from spo_verl.tools.cpu_settings import tiny
-
-    cache = tmp_path / "cpu-tiny"
-    cache.mkdir()
-    (cache / "model").symlink_to(tiny_model[0])
-    tiny.write_data(cache / "data")
-    (cache / "built.json").write_text(json.dumps({"version": tiny.VERSION}))
-    return cache
-
-
 def test_a_mistyped_loss_mode_stops_the_run_script_with_one_line_before_ray(cpu_tiny_cache, tmp_path):
     result = run_script("run_grpo.sh", "actor_rollout_ref.actor.policy_loss.loss_mode=vanila",
                         f"hydra.run.dir={tmp_path / 'hydra'}", SETTING="cpu-tiny", SPO_CPU_CACHE=str(cpu_tiny_cache),

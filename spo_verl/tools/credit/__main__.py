@@ -99,9 +99,10 @@ class ValueCheck:
     reference_samples: int
 
 
-async def measure_task(task: Task, setups: list, value_check: ValueCheck | None = None):
-    """Sample every setup's rollouts of ``task`` on one verl server; returns, per setup, the estimators'
-    views of the responses, and the value check's rows (on the chain setup's responses)."""
+async def measure_task(task: Task, setups: list, value_check: ValueCheck | None = None, client=None):
+    """Sample every setup's rollouts of ``task`` on one verl server, its own unless ``client`` is that of
+    a server already serving ``task.model``; returns, per setup, the estimators' views of the responses,
+    and the value check's rows (on the chain setup's responses)."""
     from transformers import AutoTokenizer
 
     from spo_verl.core.credit.answer_errors import first_error_token
@@ -115,12 +116,15 @@ async def measure_task(task: Task, setups: list, value_check: ValueCheck | None 
     def locate(uid, texts, score):
         return first_error_token(task.question[uid], texts, score)[1]
 
-    server = await start_verl_server(task.model, prompt_length=task.prompt_length, response_length=task.response_length)
+    server = None
+    if client is None:
+        server = await start_verl_server(task.model, prompt_length=task.prompt_length, response_length=task.response_length)
+        client = server.client
     try:
         results, value_rows = [], []
         for setup in setups:
             config = rollout_config(task.model, setup, task.prompt_length, task.response_length)
-            leaves = await sample_rollouts(config, server.client, tokenizer, task.problems)
+            leaves = await sample_rollouts(config, client, tokenizer, task.problems)
             chain = isinstance(setup, ChainSetup)
             views = (chain_and_grpo_responses if chain else tree_and_grpo_responses)(leaves, config, tokenizer,
                                                                                       THRESHOLD, locate)
@@ -136,13 +140,27 @@ async def measure_task(task: Task, setups: list, value_check: ValueCheck | None 
                     return gsm8k_score(tokenizer.decode(token_ids, skip_special_tokens=True), truths[uid])
 
                 value_rows += await value_prefixes(
-                    server.client, leaves, chosen, score, estimate_samples=setup.mc_samples,
+                    client, leaves, chosen, score, estimate_samples=setup.mc_samples,
                     reference_samples=value_check.reference_samples, response_length=task.response_length,
                     eos_token_ids={tokenizer.eos_token_id}, first_errors=first_errors)
                 print(f"credit: {task.name}: {len(chosen)} prefixes valued", flush=True)
         return results, value_rows
     finally:
-        server.shutdown()
+        if server is not None:
+            server.shutdown()
+
+
+def keep_task(parts: Path, task: Task, results, value_rows) -> None:
+    """``measure_task``'s results as the task's files under ``parts``, the responses' file last (renamed
+    into place): a sweep started again keeps a task whose responses are there."""
+    from spo_verl.tools.credit.values import write_values
+
+    rows = [(task, setup, estimator, r) for setup, views in results for estimator, responses in views.items()
+            for r in responses]
+    if value_rows:
+        write_values(parts / f"{task.name}-values.csv", [(task.name, row) for row in value_rows])
+    write_responses(parts / f"{task.name}.partial", rows)
+    (parts / f"{task.name}.partial").rename(parts / f"{task.name}.csv")
 
 
 def _joined(values) -> str:
@@ -334,13 +352,7 @@ def main(argv=None) -> int:
         if done.exists():
             print(f"credit: {task.name}: kept from {done}", flush=True)
             continue
-        results, value_rows = asyncio.run(measure_task(task, setups, check if task.name in value_tasks else None))
-        rows = [(task, setup, estimator, r) for setup, views in results for estimator, responses in views.items()
-                for r in responses]
-        if value_rows:
-            write_values(parts / f"{task.name}-values.csv", [(task.name, row) for row in value_rows])
-        write_responses(parts / f"{task.name}.partial", rows)
-        (parts / f"{task.name}.partial").rename(done)
+        keep_task(parts, task, *asyncio.run(measure_task(task, setups, check if task.name in value_tasks else None)))
     # The sweep's files: every task's, in the order of --tasks.
     responses = args.output_dir / "responses.csv"
     with open(responses, "w") as out:
