@@ -1,5 +1,5 @@
 """Registers SPO in verl: estimators ``spo_chain`` and ``spo_tree``, loss ``spo_prob_mask`` and the
-``spo_chain`` and ``spo_tree`` agent loops.
+``spo_chain``, ``spo_tree`` and ``spo_episode`` (multi-turn episodes for verl's own estimators) agent loops.
 
 Loaded in every process that imports verl through the ``verl.plugins`` entry point, or through
 ``VERL_USE_EXTERNAL_MODULES=spo_verl.register`` / ``actor_rollout_ref.model.external_lib=spo_verl.register``.
@@ -12,4 +12,4 @@ if cpu_platform.selected():  # VERL_PLATFORM=spo_cpu: verl on a machine without 
     cpu_platform.activate()
 
 from spo_verl.adapters import estimators, policy_loss  # noqa: E402, F401  (registration happens on import)
-from spo_verl.adapters.agent_loops import chain_agent_loop, tree_agent_loop  # noqa: E402, F401
+from spo_verl.adapters.agent_loops import chain_agent_loop, episode_agent_loop, tree_agent_loop  # noqa: E402, F401

@@ -144,11 +144,21 @@ def test_cutpoints_need_temperature_scaled_log_probs(tiny_model, reward_file):
         make_agent_loop(SPOChainAgentLoop, config, None, tiny_model[1])
 
 
+def dialogue_reward(out, last_turn: int, tokenizer, answer: int) -> float:
+    """The arithmetic dialogue's reward of a two-turn episode whose last turn starts at ``last_turn``: the
+    last number of that turn against the answer, unless the response length cut the turn (no EOS at the
+    limit), when the environment never saw it and the episode scores 0."""
+    if out.response_ids[-1] != tokenizer.eos_token_id and len(out.response_ids) == RESPONSE_LENGTH:
+        return 0.0
+    numbers = re.findall(r"-?\d+", tokenizer.decode(out.response_ids[last_turn:], skip_special_tokens=True))
+    return float(bool(numbers) and int(numbers[-1]) == answer)
+
+
 @in_session_loop
 async def test_a_multi_turn_episode_against_the_arithmetic_dialogue(tiny_model, recording_client, reward_file):
     """Each turn a segment: values at each turn start by continuing the dialogue with the environment;
     the environment's replies (the chat template's user turn) in the response, out of the mask."""
-    from spo_verl.adapters.agent_loops.chain_agent_loop import chat_reply_tokens
+    from spo_verl.adapters.agent_loops.episode_agent_loop import chat_reply_tokens
 
     model_dir, tokenizer = tiny_model
     config = chain_config(model_dir, reward_file, "+algorithm.spo.chain.partition=turn",
@@ -172,8 +182,7 @@ async def test_a_multi_turn_episode_against_the_arithmetic_dialogue(tiny_model, 
         assert out.response_mask == [1] * first + [0] * (second - first) + [1] * (len(out.response_ids) - second)
         assert out.response_logprobs[first:second] == [0.0] * (second - first)
         assert out.num_turns == 4  # the prompt, two turns, one reply
-        numbers = re.findall(r"-?\d+", tokenizer.decode(out.response_ids[second:], skip_special_tokens=True))
-        assert out.reward_score == float(bool(numbers) and int(numbers[-1]) == 6)
+        assert out.reward_score == dialogue_reward(out, second, tokenizer, answer=6)
         assert all(v * MC_SAMPLES == pytest.approx(round(v * MC_SAMPLES)) for v in meta["boundary_values"])
     # Every generate call is one turn of at most 4 tokens, after the prompt and a dialogue so far.
     assert all(call["sampling_params"]["max_tokens"] <= 4 for call in calls)
@@ -181,3 +190,38 @@ async def test_a_multi_turn_episode_against_the_arithmetic_dialogue(tiny_model, 
     continuations = sum(out.extra_fields["spo"]["chain"]["mc_continuations"] for out in outputs)
     assert continuations % MC_SAMPLES == 0 and continuations >= MC_SAMPLES  # the prompt's value at least
     assert len(SPOChainAgentLoop._jobs) == 0
+
+
+@in_session_loop
+async def test_the_episode_loop_plays_the_same_dialogue_without_values(tiny_model, recording_client, reward_file):
+    """``spo_episode`` (verl's own estimators on multi-turn tasks, and every algorithm's validation of one):
+    one episode a session, the environment's reply out of the mask, the episode's reward as verl's score,
+    no SPO metadata and not one generate call beyond the episode's turns."""
+    from spo_verl.adapters.agent_loops.episode_agent_loop import SPOEpisodeAgentLoop, chat_reply_tokens
+
+    model_dir, tokenizer = tiny_model
+    config = chain_config(model_dir, reward_file, "+algorithm.spo.turns.environment=arithmetic_dialogue",
+                          "+algorithm.spo.turns.max_turns=3", "+algorithm.spo.turns.max_turn_tokens=4",
+                          "actor_rollout_ref.rollout.agent.default_agent_loop=spo_episode")
+    before = len(recording_client.calls)
+    outputs = await run_sessions(
+        SPOEpisodeAgentLoop, config, recording_client, tokenizer, "dialogue2",
+        [{"role": "user", "content": "Start with 5. Add 3 to that."}], sampling_params=SAMPLING, data_source="toy",
+        reward_model={"ground_truth": "6"}, extra_info={"start": 5, "operations": ["+3", "-2"], "answer": 6})
+    calls = recording_client.calls[before:]
+    reply = chat_reply_tokens(tokenizer, "Subtract 2 from that.")
+    for out in outputs:
+        first = out.response_mask.index(0)
+        second = first + out.response_mask[first:].index(1)
+        assert reply == out.response_ids[second - len(reply):second] and out.response_mask[second:] == [1] * (len(out.response_ids) - second)
+        assert "spo" not in out.extra_fields and out.num_turns == 4
+        assert out.reward_score == dialogue_reward(out, second, tokenizer, answer=6)
+    assert len(calls) == 2 * len(outputs)  # two turns an episode, no continuations
+
+
+def test_the_episode_loop_needs_an_environment(tiny_model, reward_file):
+    from spo_verl.adapters.agent_loops.episode_agent_loop import SPOEpisodeAgentLoop
+
+    config = chain_config(tiny_model[0], reward_file, "actor_rollout_ref.rollout.agent.default_agent_loop=spo_episode")
+    with pytest.raises(ValueError, match="need algorithm.spo.turns.environment"):
+        make_agent_loop(SPOEpisodeAgentLoop, config, None, tiny_model[1])

@@ -6,7 +6,8 @@ weight sync, on the tiny ``cpu-tiny`` setting (spo_verl/tools/cpu_settings/tiny.
 no settings, trains the CPU default (``cpu-smollm2``: SmolLM2-135M, whose tied head must sync into
 vLLM) for two steps, and the study command ``scripts/compare.sh --quick`` (SPO-tree, then SPO-chain) is
 stopped after its first checkpoint, resumed (SPO-tree alone, then validated by sampling) and run once
-more (SPO-chain), report included.
+more (SPO-chain), report included. SPO-chain over turns trains on cpu-tiny's two-turn arithmetic
+dialogues against the ``arithmetic_dialogue`` environment.
 
 A run costs about two minutes of two cores, almost all of it verl, Ray and vLLM starting (the table
 at the end of the session splits each run's time by phase), so each run covers every seam its
@@ -221,6 +222,26 @@ def _run_readme_command(work: Path) -> Run:
     return Run(process.returncode, log, [REPO / metrics.group(1)] if metrics else [], time.perf_counter() - started)
 
 
+# SPO-chain over turns: the cpu-tiny setting's two-turn arithmetic dialogues against the arithmetic_dialogue
+# environment, each of the model's turns at most 12 tokens, the sample log on to read the rows verl trained.
+TURNS = ("algorithm.spo.chain.partition=turn", "algorithm.spo.turns.environment=arithmetic_dialogue",
+         "algorithm.spo.turns.max_turns=2", "algorithm.spo.turns.max_turn_tokens=12", "data.max_prompt_length=128",
+         "data.max_response_length=96")
+
+
+def _run_turns(work: Path, cache: Path) -> Run:
+    """``ALGORITHM=spo_chain bash scripts/run_spo_chain.sh`` with TURNS and the dialogues' files: 2 steps,
+    validated at step 2, no checkpoint (the other cases cover checkpoints)."""
+    work.mkdir(parents=True)
+    env = {**os.environ, "SPO_CPU_CACHE": str(cache), "SETTING": "cpu-tiny", "CHECKPOINT_DIR": str(work / "checkpoints"),
+           "TENSORBOARD_DIR": str(work / "tensorboard"), "EXPERIMENT_NAME": "v1-spo_chain-turns",
+           "TOTAL_TRAINING_STEPS": "2", "SAVE_FREQ": "-1", "TEST_FREQ": "2"}
+    data = cache / "data"
+    return _launch("run_spo_chain.sh", env,
+                   [*TURNS, f"data.train_files={data / 'dialogue_train.parquet'}", f"data.val_files={data / 'dialogue_val.parquet'}",
+                    f"algorithm.spo.sample_log.dir={work / 'samples'}"], work / "run.log", work / "metrics.jsonl")
+
+
 # The study trains SPO-tree (killed, resumed) and then SPO-chain: its runs are the v1 trainer's cases of both.
 STUDY_ALGORITHMS = ("spo_tree", "spo_chain")
 
@@ -314,9 +335,11 @@ def runs(request, tmp_path_factory, run_times):
         # The longest runs first, so they start at once and the short ones fill the slots around them.
         study = pool.submit(_in_slots, slots, 1, _run_study, work / "study", cache)
         readme = pool.submit(_in_slots, slots, 2, _run_readme_command, work / "readme")
+        turns = pool.submit(_in_slots, slots, 1, _run_turns, work / "turns", cache)
         futures = {case.id: pool.submit(_in_slots, slots, 1, _run_case, case, cache, work / case.id) for case in CASES}
         results = {case_id: future.result() for case_id, future in futures.items()}
         results["readme"] = readme.result()
+        results["turns"] = turns.result()
         results["study"] = study.result()
     for name, result in results.items():
         named = ({"first": result.first, "resumed": result.resumed} if isinstance(result, Case) else
@@ -509,6 +532,44 @@ def test_readme_run_script_trains_the_real_model_on_cpu(runs):
         answers = sum(data[f"spo/credit/{kind}"] for kind in ("right_answers", "wrong_answers_placed", "wrong_answers_not_placed"))
         assert answers == data["spo/tree/leaves_per_tree"] * data["spo/tree/trees"], step
     assert VALIDATION_KEY in steps[README_STEPS]  # every 2 steps
+
+
+def test_spo_chain_over_turns_trains_with_the_environments_tokens_out_of_the_loss(runs):
+    """Multi-turn episodes through verl's v1 trainer: every episode plays its two turns and the
+    environment ends it; in the rows verl trained (the sample log), each turn is a segment whose model
+    tokens carry V(after) - V(before), and the environment's reply after the model's end of turn is out
+    of the mask with advantage 0."""
+    from transformers import AutoTokenizer
+
+    run: Run = runs["turns"]
+    assert run.returncode == 0, run.failure()
+    steps = run.steps()
+    assert sorted(steps) == [1, 2]
+    for step, data in steps.items():
+        _assert_actor_updated_or_had_nothing_to_train(step, data)
+        assert data["spo/turns/turns_per_episode"] == 2 and data["spo/turns/ended_by_environment_fraction"] == 1, step
+        assert data["spo/turns/reply_tokens_per_episode"] > 0 and data["spo/turns/environment_errors"] == 0, step
+        assert 0 <= data["spo/turns/value_before_turn1"] <= 1 and 0 <= data["spo/turns/value_before_turn2"] <= 1, step
+    assert any(key.startswith("val-core/arithmetic_dialogue/") for key in steps[2]), sorted(steps[2])
+    eos = AutoTokenizer.from_pretrained(str(run.log.parents[1] / "cpu-tiny" / "model")).eos_token
+    records = [json.loads(line) for line in (run.log.parent / "samples" / "samples.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in records] == [1, 2]
+    checked = 0
+    for response in (r for record in records for r in record["responses"]):
+        segments = response["segments"]
+        assert len(segments) == 2 and segments[0]["start"] == 0 and segments[-1]["end"] == len(response["tokens"])
+        for k, segment in enumerate(segments):
+            tokens = range(segment["start"], segment["end"])
+            turn_end = next(i for i in tokens if response["tokens"][i] == eos)  # the model's end of turn (or the one closing a cut turn)
+            reply = range(turn_end + 1, segment["end"])
+            assert (len(reply) > 0) == (k == 0), (k, response["tokens"])  # a reply follows the first turn only
+            assert all(response["in_prob_mask"][i] == 0 and response["trained"][i] == 0 and response["advantages"][i] == 0
+                       for i in reply)
+            expected = segment["value_after"] - segment["value_before"]
+            assert segment["advantage"] == pytest.approx(expected, abs=1e-5)
+            assert response["advantages"][segment["start"]:turn_end] == pytest.approx([expected] * (turn_end - segment["start"]), abs=1e-5)
+        checked += 1
+    assert checked > 0
 
 
 def test_study_resumes_a_killed_run_and_skips_a_finished_one(runs):

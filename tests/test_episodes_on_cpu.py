@@ -161,3 +161,29 @@ def test_per_turn_metrics_of_a_batch_of_episodes():
         "spo/turns/ended_by_environment_fraction": 0.5, "spo/turns/environment_errors": 1.0,
         "spo/turns/value_before_turn1": 0.375, "spo/turns/value_before_turn2": 0.0,
     }
+
+
+def test_the_dialogue_data_plays_to_its_answer_against_the_environment(tmp_path):
+    """The CPU settings' dialogues (spo_verl.tools.cpu_settings.dialogue): distinct, never below 1, worked
+    examples as earlier chat turns, and the right numbers, turn by turn, end the episode with reward 1."""
+    import pyarrow.parquet as pq
+
+    from spo_verl.tools.cpu_settings.dialogue import INSTRUCTION, write_dialogues
+
+    train, held_out = write_dialogues(tmp_path, operations=3, train=30, held_out=10, seed=0, examples=[(3, ["+4", "-2"])])
+    rows = pq.read_table(train).to_pylist() + pq.read_table(held_out).to_pylist()
+    assert [r["extra_info"]["split"] for r in rows] == ["train"] * 30 + ["test"] * 10
+    assert len({(r["extra_info"]["start"], *r["extra_info"]["operations"]) for r in rows}) == 40
+    for r in rows:
+        assert r["prompt"][:4] == [
+            {"role": "user", "content": f"Start with 3. Add 4 to that. {INSTRUCTION}"}, {"role": "assistant", "content": "7"},
+            {"role": "user", "content": "Subtract 2 from that."}, {"role": "assistant", "content": "5"}]
+        info = r["extra_info"]
+        assert r["prompt"][4]["content"].startswith(f"Start with {info['start']}. ") and len(r["prompt"]) == 5
+        env, value = ArithmeticDialogue(), info["start"]
+        env.reset(r)
+        for operation in info["operations"]:
+            value += int(operation)
+            assert value >= 1
+            reply = asyncio.run(env.step(f"{value}"))
+        assert reply == EnvironmentReply(done=True, reward=1.0) and value == info["answer"] == int(r["reward_model"]["ground_truth"])

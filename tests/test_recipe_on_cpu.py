@@ -128,6 +128,9 @@ def test_rollout_n_follows_the_tree_shape():
         (["spo_algorithm=spo_chain", "algorithm.spo.chain.partition=turn", "algorithm.spo.turns.environment=arithmetic_dialogue",
           "algorithm.spo.turns.max_turn_tokens=100000"],
          r"algorithm\.spo\.turns\.max_turn_tokens=100000 leaves no room in actor_rollout_ref\.rollout\.response_length="),
+        # verl's estimators on the episode loop need the environment too.
+        (["spo_algorithm=grpo", "actor_rollout_ref.rollout.agent.default_agent_loop=spo_episode"],
+         r"default_agent_loop=spo_episode\) need algorithm\.spo\.turns\.environment"),
     ],
 )
 def test_invalid_runs_fail_at_configuration_time(overrides, message):

@@ -12,7 +12,7 @@ CHECK = (
     "sorted(n for n in POLICY_LOSS_REGISTRY if n.startswith('spo')), "
     "sorted(n for n in AGENT_LOOPS if n.startswith('spo')))"
 )
-REGISTERED = "['spo_chain', 'spo_tree'] ['spo_prob_mask'] ['spo_chain', 'spo_tree']"
+REGISTERED = "['spo_chain', 'spo_tree'] ['spo_prob_mask'] ['spo_chain', 'spo_episode', 'spo_tree']"
 
 
 def run_python(code, **env):

@@ -102,6 +102,22 @@ def test_plain_validation_applies_to_spo_loops_only(agent_loop, wrapped):
     assert isinstance(trainer.val_dataloader, PlainValidationBatches) == wrapped
 
 
+def test_a_multi_turn_run_validates_by_playing_episodes():
+    """SPO-chain over turns validates through spo_episode (one episode a prompt, no values); verl's
+    estimators on spo_episode keep it, as the rollout's own loop."""
+    over_turns = OmegaConf.create({"actor_rollout_ref": {"rollout": {"agent": {"default_agent_loop": "spo_chain"}}},
+                                   "algorithm": {"spo": {"chain": {"partition": "turn"}}}})
+    trainer = SimpleNamespace(config=over_turns, val_dataloader=validation_batches())
+    plain_validation(trainer)
+    batches = list(trainer.val_dataloader)
+    assert batches[0]["agent_name"].tolist() == ["spo_episode"] * 2
+    assert batches[1]["agent_name"].tolist() == ["spo_episode", "tool_agent", "spo_episode"]
+    baseline = OmegaConf.create({"actor_rollout_ref": {"rollout": {"agent": {"default_agent_loop": "spo_episode"}}}})
+    trainer = SimpleNamespace(config=baseline, val_dataloader=validation_batches())
+    plain_validation(trainer)
+    assert not isinstance(trainer.val_dataloader, PlainValidationBatches)
+
+
 def test_a_per_row_session_count_is_refused_for_spo_tree():
     config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"agent": {"default_agent_loop": "spo_tree"}}}})
     dataset = SimpleNamespace(dataframe=SimpleNamespace(column_names=["prompt", "__rollout_n__"]))

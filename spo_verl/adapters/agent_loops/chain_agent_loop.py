@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
-import logging
 from typing import Any, ClassVar
 from uuid import uuid4
 
@@ -25,38 +24,22 @@ from verl.trainer.ppo.reward import get_custom_reward_fn
 from verl.utils.profiler import simple_timer
 from verl.utils.reward_score import default_compute_score
 
+from spo_verl.adapters.agent_loops.episode_agent_loop import EpisodePlayer
 from spo_verl.adapters.agent_loops.sessions import PromptJobs, session_output
 from spo_verl.core.algorithms.segments import cut_by_length_limit
 from spo_verl.core.config import parse_spo_settings
-from spo_verl.core.episodes.environment import environment_factory
-from spo_verl.core.episodes.episode import ENDED_BY_ENVIRONMENT, EpisodeRules, play, turn_value
+from spo_verl.core.episodes.episode import ENDED_BY_ENVIRONMENT, turn_value
 from spo_verl.core.metadata import ChainRow, ChainStatistics, EpisodeStatistics
 from spo_verl.core.rollout.chain import BoundaryValueCache, cap_boundaries, monte_carlo_value, segment_starts
 from spo_verl.core.rollout.server_output import check_not_aborted
 
 PROCESSED_LOGPROBS = "processed_logprobs"
-logger = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=8)
 def _delimiter_token_ids(tokenizer, delimiter: str) -> frozenset[int]:
     """Vocabulary entries whose text ends with the delimiter (e.g. "\\n\\n", ".\\n\\n")."""
     return frozenset(i for i in range(len(tokenizer)) if tokenizer.decode([i]).endswith(delimiter))
-
-
-def chat_reply_tokens(tokenizer, message: str) -> list[int]:
-    """The tokens that follow a model turn ended by its EOS when ``message`` is the next user turn: the
-    chat template's user turn and the assistant's header, as the template renders them after an
-    assistant turn (the same after any turn for chat templates such as ChatML, Llama 3's and Qwen's)."""
-    marker = "\u2063spo-turn\u2063"
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "."}, {"role": "assistant", "content": marker},
-         {"role": "user", "content": message}], add_generation_prompt=True, tokenize=False)
-    after_turn = text.split(marker, 1)[1]
-    if tokenizer.eos_token not in after_turn:
-        raise ValueError(f"the chat template does not end an assistant turn with the EOS token "
-                         f"{tokenizer.eos_token!r}: algorithm.spo.chain.partition=turn needs one that does")
-    return tokenizer.encode(after_turn.split(tokenizer.eos_token, 1)[1], add_special_tokens=False)
 
 
 @register("spo_chain")
@@ -79,9 +62,7 @@ class SPOChainAgentLoop(AgentLoopBase):
             )
         self.score_fn = get_custom_reward_fn(self.config) or default_compute_score
         if self.settings.partition == "turn":
-            self.environment_factory = environment_factory(settings.turns.environment)
-            self.episode_rules = EpisodeRules(settings.turns.max_turns, self.response_length, self.eos_token_ids,
-                                              settings.turns.max_turn_tokens)
+            self.player = EpisodePlayer(settings, self.tokenizer, self.response_length)
 
     async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput:
         run = self._run_episode if self.settings.partition == "turn" else self._run
@@ -92,17 +73,12 @@ class SPOChainAgentLoop(AgentLoopBase):
                            kwargs: dict[str, Any]) -> AgentLoopOutput:
         """A multi-turn episode against the environment, each of the model's turns a segment."""
         prompt_ids = await self.ct_build_initial_tokens(list(kwargs["raw_prompt"]))
-        environment = self.environment_factory()
-        environment.reset(kwargs)
         # The episode and all its continuations: one request id, one server, warm prefix cache.
         game = (self.server_manager.generate, uuid4().hex, prompt_ids, sampling_params)
-        rules = (functools.partial(chat_reply_tokens, self.tokenizer), self._decode, self.episode_rules)
+        rules = (self.player.render, self.player.decode, self.player.rules)
         metrics: dict[str, float] = {}
         with simple_timer("generate_sequences", metrics):
-            episode = await play(*game, environment, *rules, keep_boundaries=True)
-            if episode.error is not None:
-                logger.warning("spo_chain: the environment failed in an episode of prompt %s (%s); it scores 0",
-                               kwargs["uid"], episode.error)
+            episode = await self.player.play(game, kwargs, keep_boundaries=True)
             starts = episode.turn_starts
             estimates = [
                 shared_values.value(episode.response_ids[:start], functools.partial(
@@ -128,9 +104,6 @@ class SPOChainAgentLoop(AgentLoopBase):
         )
         return session_output(prompt_ids, episode.response_ids, episode.response_log_probs, spo, metrics,
                               [turn.server_fields for turn in episode.turns], episode=episode)
-
-    def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     async def _run(self, shared_values: BoundaryValueCache, sampling_params: dict[str, Any],
                    kwargs: dict[str, Any]) -> AgentLoopOutput:

@@ -46,10 +46,11 @@ class PromptJobs(Generic[Job]):
 
 
 def session_output(prompt_ids: list[int], response_ids: list[int], response_logprobs: list[float] | None,
-                   spo: SPORow, metrics: dict[str, float], server_fields: list[dict[str, Any]],
+                   spo: SPORow | None, metrics: dict[str, float], server_fields: list[dict[str, Any]],
                    trains: bool = True, episode: Episode | None = None) -> AgentLoopOutput:
-    """A session's response as verl's single-turn agent loop returns one, its SPO metadata in
-    ``extra_fields["spo"]``; a response that ``trains`` nothing has an all-zero response mask. An
+    """A session's response as verl's single-turn agent loop returns one, its SPO metadata (if any: an
+    episode played for verl's own estimators has none) in ``extra_fields["spo"]``; a response that
+    ``trains`` nothing has an all-zero response mask. An
     ``episode``'s response keeps the environment's replies out of the mask, counts its messages as
     verl's tool agent loop does (the prompt, each turn, each reply) and carries its reward, so that
     verl's reward step does not score the dialogue again."""
@@ -62,6 +63,6 @@ def session_output(prompt_ids: list[int], response_ids: list[int], response_logp
         num_turns=SINGLE_TURN if episode is None else episode.messages,
         reward_score=None if episode is None else episode.reward,
         metrics=AgentLoopMetrics(**metrics),
-        extra_fields={**merged_weight_versions(server_fields), SPO_FIELD: to_extra_field(spo),
+        extra_fields={**merged_weight_versions(server_fields), **({} if spo is None else {SPO_FIELD: to_extra_field(spo)}),
                       "turn_scores": [], "tool_rewards": []},
     )

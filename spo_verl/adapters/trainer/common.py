@@ -14,6 +14,7 @@ import numpy as np
 from spo_verl.core.batch_context import SPOBatchContext
 from spo_verl.core.config import SPOSettings, parse_spo_settings
 from spo_verl.core.metadata import SPO_ALGORITHMS, SPO_FIELD, ChainRow, CutpointTreeStatistics, TreeLeafRow
+from spo_verl.adapters.agent_loops.episode_agent_loop import EPISODE_AGENT_LOOP  # a multi-turn task's answer is an episode
 from spo_verl.adapters.policy_loss import LOSS_NAME, spo_ppo_loss
 
 SPO_ESTIMATORS = SPO_AGENT_LOOPS = SPO_ALGORITHMS
@@ -23,21 +24,31 @@ TRAINER_MODE = "spo"
 VALIDATION_AGENT_LOOP = "single_turn_agent"
 
 
+def plays_episodes(config: Any) -> bool:
+    """The rollout plays multi-turn episodes: SPO-chain over turns, or verl's estimators on ``spo_episode``."""
+    loop = config.actor_rollout_ref.rollout.agent.default_agent_loop
+    spo = (config.get("algorithm") or {}).get("spo") or {}
+    partition = (spo.get("chain") or {}).get("partition")
+    return loop == EPISODE_AGENT_LOOP or (loop == "spo_chain" and partition == "turn")
+
+
 class PlainValidationBatches:
-    """A validation dataloader whose batches name verl's single-turn loop instead of SPO's loops.
+    """A validation dataloader whose batches name verl's single-turn loop (or, for multi-turn episodes,
+    the episode loop) instead of SPO's loops.
 
     verl validates through the rollout's default agent loop unless a row names one (``agent_name``);
     an SPO loop there would sample a whole tree (or run Monte Carlo continuations) per validation
     answer. Everything else about the dataloader (length, state) is verl's."""
 
-    def __init__(self, dataloader):
+    def __init__(self, dataloader, agent_loop: str = VALIDATION_AGENT_LOOP):
         self._dataloader = dataloader
+        self._agent_loop = agent_loop
 
     def __iter__(self):
         for batch in self._dataloader:
             rows = len(batch["raw_prompt"])
             named = batch.get("agent_name")
-            names = [VALIDATION_AGENT_LOOP if named is None or named[i] in SPO_AGENT_LOOPS else named[i] for i in range(rows)]
+            names = [self._agent_loop if named is None or named[i] in SPO_AGENT_LOOPS else named[i] for i in range(rows)]
             batch["agent_name"] = np.array(names, dtype=object)
             yield batch
 
@@ -51,7 +62,8 @@ class PlainValidationBatches:
 def plain_validation(trainer: Any) -> None:
     """Make ``trainer.val_dataloader`` sample plain responses when the rollout uses an SPO loop."""
     if trainer.config.actor_rollout_ref.rollout.agent.default_agent_loop in SPO_AGENT_LOOPS:
-        trainer.val_dataloader = PlainValidationBatches(trainer.val_dataloader)
+        loop = EPISODE_AGENT_LOOP if plays_episodes(trainer.config) else VALIDATION_AGENT_LOOP
+        trainer.val_dataloader = PlainValidationBatches(trainer.val_dataloader, loop)
 
 
 def spo_settings_of(trainer: Any) -> SPOSettings:

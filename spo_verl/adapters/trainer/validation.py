@@ -29,7 +29,7 @@ import spo_verl.register  # noqa: F401  (agent loops registered before they are 
 from spo_verl.core.config import check_cutpoint_tree_fits, check_tree_fits, parse_spo_settings, tree_segment_budgets
 from spo_verl.core.episodes.environment import environment_factory
 from spo_verl.adapters.policy_loss import LOSS_NAME
-from spo_verl.adapters.trainer.common import SPO_AGENT_LOOPS, SPO_ESTIMATORS, TRAINER_MODE
+from spo_verl.adapters.trainer.common import SPO_AGENT_LOOPS, SPO_ESTIMATORS, TRAINER_MODE, plays_episodes
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def validate_spo_run(config: Any) -> None:
                         settings.tree.align_to_block)
         warn_if_segments_split_blocks(settings.tree, rollout, config.trainer.get("device", "cuda"))
 
-    if estimator == "spo_chain" and settings.chain.partition == "turn":
+    if plays_episodes(config):
         check_episodes(settings.turns, rollout.response_length, config.actor_rollout_ref.model.path)
 
     if settings.packed_training:
@@ -85,6 +85,10 @@ def validate_spo_run(config: Any) -> None:
 def check_episodes(turns: Any, response_length: int, model_path: str) -> None:
     """Multi-turn episodes: the environment can be made, a turn leaves room for a reply, and the model's
     chat template renders a reply after a turn (where its tokenizer can be loaded here)."""
+    if turns.environment is None:
+        raise ValueError("multi-turn episodes (algorithm.spo.chain.partition=turn, or actor_rollout_ref.rollout.agent."
+                         "default_agent_loop=spo_episode) need algorithm.spo.turns.environment: a registered environment "
+                         "(e.g. arithmetic_dialogue) or module:attribute")
     environment_factory(turns.environment)
     if turns.max_turn_tokens is not None and turns.max_turn_tokens >= response_length:
         raise ValueError(
@@ -94,7 +98,7 @@ def check_episodes(turns: Any, response_length: int, model_path: str) -> None:
         )
     from verl.utils import hf_tokenizer
 
-    from spo_verl.adapters.agent_loops.chain_agent_loop import chat_reply_tokens
+    from spo_verl.adapters.agent_loops.episode_agent_loop import chat_reply_tokens
 
     try:
         tokenizer = hf_tokenizer(model_path)

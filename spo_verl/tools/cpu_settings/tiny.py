@@ -3,7 +3,10 @@ is downloaded) into a cache folder.
 
 * Data: "What is a + b?" for single digits, in verl's parquet layout with ``data_source``
   ``openai/gsm8k`` and the answer as ground truth, so verl's own GSM8K reward scores it (1 for
-  ``#### <answer>``, else 0). 80 problems train, 20 held out for validation.
+  ``#### <answer>``, else 0). 80 problems train, 20 held out for validation. Beside them, two-turn
+  arithmetic dialogues for the multi-turn environment ``arithmetic_dialogue``
+  (``data/dialogue_{train,val}.parquet``, :mod:`spo_verl.tools.cpu_settings.dialogue`; the tiny model
+  is not tuned on them: they exercise the episode's path, not learning).
 * Model: the tiny Qwen2 of :mod:`spo_verl.tools.cpu_settings.tiny_model` (2 layers, character tokenizer),
   briefly fine-tuned on worked answers ("3+4=7\\n#### 7") so that, sampled at temperature 1, it is
   right some of the time but not mostly: rewards differ between samples, so GRPO and SPO
@@ -18,12 +21,14 @@ import random
 from pathlib import Path
 
 from spo_verl.tools.cpu_settings.cache import cached_build, run_cli
+from spo_verl.tools.cpu_settings.dialogue import write_dialogues
 
 DATA_SOURCE = "openai/gsm8k"
 INSTRUCTION = "Answer after ####."
-VERSION = 1  # bump when the recipe below changes, so caches are rebuilt
+VERSION = 2  # bump when the recipe below changes, so caches are rebuilt
 FINE_TUNE_STEPS = 95
 SEED = 0
+DIALOGUE_OPERATIONS = 2  # two turns of the model, one reply of the environment between them
 
 
 def problems() -> list[tuple[int, int]]:
@@ -58,6 +63,7 @@ def write_data(directory: Path) -> tuple[Path, Path]:
     train_path, val_path = directory / "train.parquet", directory / "val.parquet"
     write_rows([row(a, b, "train", i) for i, (a, b) in enumerate(train)], train_path)
     write_rows([row(a, b, "test", i) for i, (a, b) in enumerate(val)], val_path)
+    write_dialogues(directory, operations=DIALOGUE_OPERATIONS, train=80, held_out=20, seed=SEED)
     return train_path, val_path
 
 

@@ -1,0 +1,88 @@
+"""The ``spo_episode`` agent loop: one multi-turn episode a session against
+``algorithm.spo.turns.environment``, without values.
+
+It is how verl's own estimators (GRPO, PPO) train on the same episodes that SPO-chain over turns plays,
+and how every algorithm validates a multi-turn task (the trainers name it for validation when
+``chain.partition=turn``). The episode is played as ``spo_verl.core.episodes.episode.play`` plays it:
+the environment's replies rendered by the chat template and kept out of the mask, the episode's reward
+handed to verl as the row's score. :class:`EpisodePlayer` is what both loops share.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+from uuid import uuid4
+
+from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, register
+from verl.utils.profiler import simple_timer
+
+from spo_verl.adapters.agent_loops.sessions import session_output
+from spo_verl.core.config import SPOSettings, parse_spo_settings
+from spo_verl.core.episodes.environment import environment_factory
+from spo_verl.core.episodes.episode import Episode, EpisodeRules, play
+
+EPISODE_AGENT_LOOP = "spo_episode"
+logger = logging.getLogger(__name__)
+
+
+def chat_reply_tokens(tokenizer, message: str) -> list[int]:
+    """The tokens that follow a model turn ended by its EOS when ``message`` is the next user turn: the
+    chat template's user turn and the assistant's header, as the template renders them after an
+    assistant turn (the same after any turn for chat templates such as ChatML, Llama 3's and Qwen's)."""
+    marker = "\u2063spo-turn\u2063"
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "."}, {"role": "assistant", "content": marker},
+         {"role": "user", "content": message}], add_generation_prompt=True, tokenize=False)
+    after_turn = text.split(marker, 1)[1]
+    if tokenizer.eos_token not in after_turn:
+        raise ValueError(f"the chat template does not end an assistant turn with the EOS token "
+                         f"{tokenizer.eos_token!r}: multi-turn episodes need one that does")
+    return tokenizer.encode(after_turn.split(tokenizer.eos_token, 1)[1], add_special_tokens=False)
+
+
+class EpisodePlayer:
+    """Plays a prompt's episode in an agent loop: a fresh environment reset with the row, the rules of
+    ``algorithm.spo.turns``, replies rendered by the tokenizer's chat template."""
+
+    def __init__(self, settings: SPOSettings, tokenizer, response_length: int):
+        if settings.turns.environment is None:
+            raise ValueError("multi-turn episodes need algorithm.spo.turns.environment: a registered environment "
+                             "(e.g. arithmetic_dialogue) or module:attribute")
+        self.environment_factory = environment_factory(settings.turns.environment)
+        self.rules = EpisodeRules(settings.turns.max_turns, response_length, {tokenizer.eos_token_id},
+                                  settings.turns.max_turn_tokens)
+        self.tokenizer = tokenizer
+
+    def render(self, message: str) -> list[int]:
+        return chat_reply_tokens(self.tokenizer, message)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    async def play(self, game: tuple, row: dict[str, Any], keep_boundaries: bool = False) -> Episode:
+        """``game``: (generate, request id, prompt ids, sampling params). An environment that fails ends
+        its episode with reward 0, logged with the prompt's uid; the batch goes on."""
+        environment = self.environment_factory()
+        environment.reset(row)
+        episode = await play(*game, environment, self.render, self.decode, self.rules, keep_boundaries=keep_boundaries)
+        if episode.error is not None:
+            logger.warning("the environment failed in an episode of prompt %s (%s); it scores 0", row.get("uid"),
+                           episode.error)
+        return episode
+
+
+@register(EPISODE_AGENT_LOOP)
+class SPOEpisodeAgentLoop(AgentLoopBase):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        settings = parse_spo_settings(self.config.algorithm.get("spo", None))
+        self.player = EpisodePlayer(settings, self.tokenizer, self.rollout_config.response_length)
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput:
+        prompt_ids = await self.ct_build_initial_tokens(list(kwargs["raw_prompt"]))
+        metrics: dict[str, float] = {}
+        with simple_timer("generate_sequences", metrics):
+            episode = await self.player.play((self.server_manager.generate, uuid4().hex, prompt_ids, sampling_params), kwargs)
+        return session_output(prompt_ids, episode.response_ids, episode.response_log_probs, None, metrics,
+                              [turn.server_fields for turn in episode.turns], episode=episode)

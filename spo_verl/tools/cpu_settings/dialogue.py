@@ -1,0 +1,92 @@
+"""Arithmetic dialogues for the multi-turn environment ``arithmetic_dialogue``
+(:mod:`spo_verl.core.episodes.arithmetic`), as rows of verl's RL dataset.
+
+A dialogue starts from a number and works one operation a turn: the prompt gives the number and the
+first operation ("Start with 7. Add 3 to that."), the model answers with the new number, the
+environment gives the next operation, and the reward is whether the last number of the model's last
+turn is the result. A row's ``extra_info`` holds what the environment needs (``start``,
+``operations`` as "+3"/"-2", ``answer``); ``reward_model.ground_truth`` is the answer too, for readers
+of the data, though the episode's own reward is what verl is handed.
+
+Worked example dialogues (``examples``) open the prompt as earlier chat turns, the way the
+single-turn CPU tasks show their answer format.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
+from spo_verl.core.episodes.arithmetic import operation_message
+
+DATA_SOURCE = "arithmetic_dialogue"
+INSTRUCTION = "Answer with the number only."
+
+
+def draw(rng: random.Random, operations: int) -> tuple[int, list[str], int]:
+    """A start (2-20) and ``operations`` single-digit additions or subtractions that never go below 1;
+    returns the start, the operations ("+3", "-2", ...) and the result."""
+    if operations < 1:
+        raise ValueError(f"a dialogue needs at least one operation, got {operations}")
+    value = start = rng.randint(2, 20)
+    worked = []
+    for _ in range(operations):
+        number = rng.randint(2, 9)
+        if value > number and rng.random() < 0.5:
+            worked.append(f"-{number}")
+            value -= number
+        else:
+            worked.append(f"+{number}")
+            value += number
+    return start, worked, value
+
+
+def opening(start: int, operation: str) -> str:
+    return f"Start with {start}. {operation_message(operation[0], int(operation[1:]))} {INSTRUCTION}"
+
+
+def example_turns(start: int, operations: Sequence[str]) -> list[dict]:
+    """A worked dialogue as chat turns: the opening, then each result and the next operation."""
+    turns, value = [{"role": "user", "content": opening(start, operations[0])}], start
+    for k, operation in enumerate(operations):
+        value += int(operation)
+        turns.append({"role": "assistant", "content": str(value)})
+        if k + 1 < len(operations):
+            following = operations[k + 1]
+            turns.append({"role": "user", "content": operation_message(following[0], int(following[1:]))})
+    return turns
+
+
+def row(start: int, operations: Sequence[str], answer: int, split: str, index: int,
+        examples: Sequence[tuple[int, Sequence[str]]] = ()) -> dict:
+    prompt = [turn for example in examples for turn in example_turns(*example)]
+    return {
+        "data_source": DATA_SOURCE,
+        "prompt": [*prompt, {"role": "user", "content": opening(start, operations[0])}],
+        "ability": "arithmetic",
+        "reward_model": {"style": "rule", "ground_truth": str(answer)},
+        "extra_info": {"split": split, "index": index, "start": start, "operations": list(operations), "answer": answer},
+    }
+
+
+def write_dialogues(directory: Path, operations: int, train: int, held_out: int, seed: int,
+                    examples: Sequence[tuple[int, Sequence[str]]] = ()) -> tuple[Path, Path]:
+    """``dialogue_train.parquet`` and ``dialogue_val.parquet`` under ``directory``: ``train`` and
+    ``held_out`` dialogues of ``operations`` turns, none of them twice (by start and operations)."""
+    from spo_verl.tools.data.prepare import write_rows
+
+    rng, seen, drawn = random.Random(seed), set(), []
+    for _ in range(100 * (train + held_out)):
+        start, worked, answer = draw(rng, operations)
+        if (start, *worked) not in seen:
+            seen.add((start, *worked))
+            drawn.append((start, worked, answer))
+        if len(drawn) == train + held_out:
+            break
+    else:
+        raise ValueError(f"fewer than {train + held_out} distinct dialogues of {operations} operations")
+    train_path, val_path = directory / "dialogue_train.parquet", directory / "dialogue_val.parquet"
+    write_rows([row(*d, "train", i, examples) for i, d in enumerate(drawn[:train])], train_path)
+    write_rows([row(*d, "test", i, examples) for i, d in enumerate(drawn[train:])], val_path)
+    return train_path, val_path
