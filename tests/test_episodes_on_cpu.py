@@ -187,3 +187,52 @@ def test_the_dialogue_data_plays_to_its_answer_against_the_environment(tmp_path)
             assert value >= 1
             reply = asyncio.run(env.step(f"{value}"))
         assert reply == EnvironmentReply(done=True, reward=1.0) and value == info["answer"] == int(r["reward_model"]["ground_truth"])
+
+
+def test_a_tree_over_turns_branches_between_turns_and_values_each_leaf_by_its_episode():
+    """Branching 2-2 over the dialogue: the root's children are first turns (8, right; 9, wrong), each
+    followed by the environment's reply; their children play the rest of the episode on their own fork
+    of the environment. Leaves 6 (right), 7 under 8 and 7, 7 under 9: V = 1, 0, 0, 0; V(8) = 0.5,
+    V(9) = 0, V(prompt) = 0.25; the replies are out of the mask."""
+    from spo_verl.core.algorithms import tree_advantages, tree_values
+    from spo_verl.core.episodes.turn_tree import sample_turn_tree
+
+    tree = asyncio.run(sample_turn_tree(ScriptedModel(), "t", PROMPT, {}, environment(), render, decode, RULES, [2, 2]))
+    parents = [node.parent for node in tree.nodes]
+    assert parents == [-1, 0, 0, 1, 1, 2, 2] and tree.leaves() == [3, 4, 5, 6]
+    assert [tree.nodes[i].token_ids for i in (1, 2)] == [[1, EOS, *REPLY], [2, EOS, *REPLY]]
+    assert tree.nodes[1].response_mask == tree.nodes[2].response_mask == [1, 1, 0, 0, 0]
+    assert [tree.nodes[i].token_ids for i in (3, 4, 5, 6)] == [[4, EOS], [5, EOS], [6, EOS], [6, EOS]]
+    assert [tree.nodes[i].reward for i in (3, 4, 5, 6)] == [1.0, 0.0, 0.0, 0.0]
+    assert all(tree.nodes[i].stopped and tree.nodes[i].ended_by == ENDED_BY_ENVIRONMENT for i in (3, 4, 5, 6))
+    assert not tree.nodes[1].stopped and tree.nodes[1].reward is None
+    assert tree.prefix(3) == ([1, EOS, *REPLY, 4, EOS], [-0.5, -0.1, 0.0, 0.0, 0.0, -0.5, -0.1])
+    assert tree.response_mask(3) == [1, 1, 0, 0, 0, 1, 1] and tree.segment_ends(3) == [5, 7]
+    values = tree_values(parents, {leaf: tree.nodes[leaf].reward for leaf in tree.leaves()})
+    assert values == [0.25, 0.5, 0.0, 1.0, 0.0, 0.0, 0.0]
+    assert tree_advantages(parents, values) == [0.0, 0.25, -0.25, 0.5, -0.5, 0.0, 0.0]
+
+
+def test_a_tree_over_turns_stops_where_the_episode_ends_and_refuses_more_depths_than_turns():
+    """Three depths over a two-turn dialogue: the episodes end after the second turn, so the second
+    depth's nodes are leaves (the slots below them share them); a failing environment makes a leaf
+    with reward 0 and the error; a tree deeper than max_turns is refused."""
+    from spo_verl.core.episodes.turn_tree import sample_turn_tree
+
+    tree = asyncio.run(sample_turn_tree(ScriptedModel(), "t", PROMPT, {}, environment(), render, decode, RULES, [2, 2, 2]))
+    assert [node.depth for node in tree.nodes] == [0, 1, 1, 2, 2, 2, 2] and tree.leaves() == [3, 4, 5, 6]
+    assert tree.slot_leaf(0) == (3, True) and tree.slot_leaf(1) == (3, False)
+
+    class FailsOnTheSecondTurn(ArithmeticDialogue):
+        async def step(self, turn):
+            if self.answered == 1:
+                raise RuntimeError("sandbox gone")
+            return await super().step(turn)
+
+    failing = FailsOnTheSecondTurn()
+    failing.reset(ROW)
+    tree = asyncio.run(sample_turn_tree(ScriptedModel(), "t", PROMPT, {}, failing, render, decode, RULES, [2, 2]))
+    assert [(tree.nodes[i].reward, tree.nodes[i].ended_by, tree.nodes[i].error) for i in tree.leaves()] == [
+        (0.0, ENVIRONMENT_ERROR, "RuntimeError: sandbox gone")] * 4
+    with pytest.raises(ValueError, match=r"a tree of depth 5 branches after more turns than an episode has \(4\)"):
+        asyncio.run(sample_turn_tree(ScriptedModel(), "t", PROMPT, {}, environment(), render, decode, RULES, [2] * 5))

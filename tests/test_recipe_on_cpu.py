@@ -92,7 +92,7 @@ def test_rollout_n_follows_the_tree_shape():
         (["algorithm.spo.tree.branch_at=cutpoint", "actor_rollout_ref.rollout.n=8"],
          r"branch_at=cutpoint with responses=4, max_forks=2, width=2, rounds=1 can sample up to 20 leaves a prompt, more "
          r"than actor_rollout_ref\.rollout\.n=8"),
-        (["algorithm.spo.tree.branch_at=forks"], r"algorithm\.spo\.tree\.branch_at must be one of \['fixed', 'cutpoint'\]"),
+        (["algorithm.spo.tree.branch_at=forks"], r"algorithm\.spo\.tree\.branch_at must be one of \['fixed', 'cutpoint', 'turn'\]"),
         (["algorithm.spo.tree.align_to_block=0"], r"algorithm\.spo\.tree\.align_to_block must be a positive integer, got 0"),
         # 760 + 760 plus up to 15 tokens of alignment at depth 1 and 8 at depth 2 would reach 1543 of 1536.
         (["algorithm.spo.tree.segment_tokens=[760,760]", "algorithm.spo.tree.align_to_block=16"],
@@ -128,6 +128,10 @@ def test_rollout_n_follows_the_tree_shape():
         (["spo_algorithm=spo_chain", "algorithm.spo.chain.partition=turn", "algorithm.spo.turns.environment=arithmetic_dialogue",
           "algorithm.spo.turns.max_turn_tokens=100000"],
          r"algorithm\.spo\.turns\.max_turn_tokens=100000 leaves no room in actor_rollout_ref\.rollout\.response_length="),
+        (["algorithm.spo.tree.branch_at=turn"], r"algorithm\.spo\.tree\.branch_at=turn needs algorithm\.spo\.turns\.environment"),
+        (["algorithm.spo.tree.branch_at=turn", "algorithm.spo.turns.environment=arithmetic_dialogue", "algorithm.spo.turns.max_turns=2"],
+         r"algorithm\.spo\.tree\.branching=\[6, 6, 6\] with branch_at=turn branches after 2 turns and plays at least one more: "
+         r"raise algorithm\.spo\.turns\.max_turns \(2\)"),
         # verl's estimators on the episode loop need the environment too.
         (["spo_algorithm=grpo", "actor_rollout_ref.rollout.agent.default_agent_loop=spo_episode"],
          r"default_agent_loop=spo_episode\) need algorithm\.spo\.turns\.environment"),

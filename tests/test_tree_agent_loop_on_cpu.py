@@ -284,3 +284,63 @@ def test_tree_must_fit_the_rollout_settings(tiny_model):
         config = verl_config(tiny_model[0], *extra)
         with pytest.raises(ValueError, match=message):
             make_agent_loop(SPOTreeAgentLoop, config, None, tiny_model[1])
+
+
+@in_session_loop
+async def test_a_tree_over_turns_on_verls_server_and_through_verls_advantage_step(tiny_model, llm_client):
+    """``branch_at=turn``, 2-2 over a two-operation arithmetic dialogue: two first turns, each answered by
+    the environment and continued twice to the episode's end. Each leaf is its dialogue, the reply out of
+    the mask; leaves under one first turn share it token for token; the score is the episode's reward;
+    through verl's advantage step every turn carries V(node) - V(parent) and the reply nothing."""
+    import re
+
+    from spo_verl.adapters.agent_loops.episode_agent_loop import chat_reply_tokens
+
+    model_dir, tokenizer = tiny_model
+    length = 48  # as the session's server; a turn of at most 3 tokens, its reply (~41 tokens), a second turn
+    config = compose_ppo_trainer(
+        f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.rollout.n=4",
+        f"actor_rollout_ref.rollout.response_length={length}", "actor_rollout_ref.rollout.prompt_length=64",
+        "actor_rollout_ref.rollout.agent.default_agent_loop=spo_tree", "+algorithm.spo.tree.branching=[2,2]",
+        "+algorithm.spo.tree.branch_at=turn", "+algorithm.spo.turns.environment=arithmetic_dialogue",
+        "+algorithm.spo.turns.max_turns=2", "+algorithm.spo.turns.max_turn_tokens=3")
+    outputs = await run_sessions(
+        SPOTreeAgentLoop, config, llm_client, tokenizer, "turns1", [{"role": "user", "content": "Start with 5. Add 3 to that."}],
+        sampling_params=SAMPLING, data_source="toy", extra_info={"start": 5, "operations": ["+3", "-2"], "answer": 6})
+    reply = chat_reply_tokens(tokenizer, "Subtract 2 from that.")
+    assert all(out != [] for out in outputs)  # no episode ends after one turn: four leaves, one a slot
+    rows = [out.extra_fields["spo"] for out in outputs]
+    first_turns = {}
+    for out, row in zip(outputs, rows):
+        first_end, end = row["segment_ends"]
+        assert end == len(out.response_ids) and out.response_ids[first_end - len(reply):first_end] == reply
+        turn = out.response_mask.index(0)
+        assert out.response_mask == [1] * turn + [0] * (first_end - turn) + [1] * (end - first_end)
+        assert out.response_logprobs[turn:first_end] == [0.0] * (first_end - turn)
+        assert first_turns.setdefault(row["path"][0], out.response_ids[:first_end]) == out.response_ids[:first_end]
+        cut = out.response_ids[-1] != tokenizer.eos_token_id and end == length  # the environment never saw it
+        numbers = re.findall(r"-?\d+", tokenizer.decode(out.response_ids[first_end:], skip_special_tokens=True))
+        assert out.reward_score == (0.0 if cut else float(bool(numbers) and int(numbers[-1]) == 6))
+        assert row["truncated"] == cut and out.num_turns == 4
+        assert row["episode"] == {"turns": 2, "reply_tokens": first_end - turn, "ended_by": "length" if cut else "environment",
+                                  "environment_error": None}
+    assert len(first_turns) == 2
+    data = DataProto.from_dict(
+        tensors={"token_level_rewards": torch.tensor([[0.0] * (len(o.response_ids) - 1) + [o.reward_score] + [0.0] * (length - len(o.response_ids))
+                                                      for o in outputs]),
+                 "response_mask": torch.tensor([o.response_mask + [0] * (length - len(o.response_mask)) for o in outputs],
+                                               dtype=torch.float32)},
+        non_tensors={"uid": np.array(["turns1"] * 4, dtype=object)})
+    with provide_spo_rows(rows) as context:
+        advantages = compute_advantage(data, "spo_tree", config=config.algorithm).batch["advantages"]
+    rewards = [o.reward_score for o in outputs]
+    by_first = {node: [r for r, row in zip(rewards, rows) if row["path"][0] == node] for node in first_turns}
+    root = sum(sum(v) / len(v) for v in by_first.values()) / 2
+    for i, (out, row) in enumerate(zip(outputs, rows)):
+        first_end, end = row["segment_ends"]
+        turn = out.response_mask.index(0)
+        first = sum(by_first[row["path"][0]]) / 2
+        assert advantages[i, turn:first_end].abs().sum() == 0  # the reply
+        if context.trained_mask[i, :turn].any():
+            assert advantages[i, :turn].tolist() == pytest.approx([first - root] * turn, abs=1e-6)
+        assert advantages[i, first_end:end].tolist() == pytest.approx([rewards[i] - first] * (end - first_end), abs=1e-6)

@@ -19,7 +19,7 @@ NAMESPACE = "algorithm.spo"
 LOSS_NORMALIZATIONS = ("reference", "verl")
 CHAIN_PARTITIONS = ("cutpoint", "fixed_count", "delimiter", "turn")
 TRUNCATED_RESPONSE_SCORES = ("zero", "reward_function")
-TREE_BRANCH_POINTS = ("fixed", "cutpoint")
+TREE_BRANCH_POINTS = ("fixed", "cutpoint", "turn")
 
 
 class SPOConfigError(ValueError):
@@ -172,7 +172,10 @@ class TreeSettings:
     up to a block.
     ``branch_at``: ``fixed`` forks every node into ``branching`` children after ``segment_tokens``
     tokens; ``cutpoint`` forks at the model's low-probability tokens (``cutpoint``:
-    :class:`CutpointTreeSettings`; ``branching``, ``segment_tokens`` and ``align_to_block`` are unused).
+    :class:`CutpointTreeSettings`; ``branching``, ``segment_tokens`` and ``align_to_block`` are unused);
+    ``turn`` forks a multi-turn episode between the model's turns (``turns``: :class:`TurnSettings`): each
+    of the first ``len(branching) - 1`` depths is one turn and the environment's reply, the last depth the
+    rest of the episode (``segment_tokens`` and ``align_to_block`` are unused).
     """
 
     branching: tuple[int, ...] = setting((6, 6, 6), _positive_int_list)
@@ -287,6 +290,8 @@ def _parse_section(cls: type, raw: Any, prefix: str) -> Any:
 
 
 def _check_tree_shape(tree: TreeSettings) -> None:
+    if tree.branch_at == "turn":  # a turn is as long as it is: segment_tokens is unused
+        return
     inner_depths = len(tree.branching) - 1
     if len(tree.segment_tokens) not in (1, inner_depths) and inner_depths > 0:
         raise SPOConfigError(
@@ -302,6 +307,14 @@ def parse_spo_settings(raw: Mapping | None) -> SPOSettings:
     if settings.chain.partition == "turn" and settings.turns.environment is None:
         raise SPOConfigError(f"{NAMESPACE}.chain.partition=turn needs {NAMESPACE}.turns.environment: the environment "
                              f"that answers the model's turns (a registered name or module:attribute)")
+    if settings.tree.branch_at == "turn":
+        if settings.turns.environment is None:
+            raise SPOConfigError(f"{NAMESPACE}.tree.branch_at=turn needs {NAMESPACE}.turns.environment: the environment "
+                                 f"that answers the model's turns (a registered name or module:attribute)")
+        if len(settings.tree.branching) > settings.turns.max_turns:
+            raise SPOConfigError(f"{NAMESPACE}.tree.branching={list(settings.tree.branching)} with branch_at=turn branches "
+                                 f"after {len(settings.tree.branching) - 1} turns and plays at least one more: raise "
+                                 f"{NAMESPACE}.turns.max_turns ({settings.turns.max_turns}) or use fewer depths")
     return settings
 
 

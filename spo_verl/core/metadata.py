@@ -84,6 +84,7 @@ class TreeLeafRow:
     trains: bool = True
     truncated: bool = False
     tree: TreeStatistics | None = None
+    episode: EpisodeStatistics | None = None  # a tree over turns: the leaf's episode
 
 
 @dataclass(frozen=True)

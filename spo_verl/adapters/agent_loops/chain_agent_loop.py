@@ -25,7 +25,7 @@ from verl.utils.profiler import simple_timer
 from verl.utils.reward_score import default_compute_score
 
 from spo_verl.adapters.agent_loops.episode_agent_loop import EpisodePlayer
-from spo_verl.adapters.agent_loops.sessions import PromptJobs, session_output
+from spo_verl.adapters.agent_loops.sessions import Dialogue, PromptJobs, session_output
 from spo_verl.core.algorithms.segments import cut_by_length_limit
 from spo_verl.core.config import parse_spo_settings
 from spo_verl.core.episodes.episode import ENDED_BY_ENVIRONMENT, turn_value
@@ -103,7 +103,7 @@ class SPOChainAgentLoop(AgentLoopBase):
                                       episode.ended_by, episode.error),
         )
         return session_output(prompt_ids, episode.response_ids, episode.response_log_probs, spo, metrics,
-                              [turn.server_fields for turn in episode.turns], episode=episode)
+                              [turn.server_fields for turn in episode.turns], dialogue=Dialogue.of(episode))
 
     async def _run(self, shared_values: BoundaryValueCache, sampling_params: dict[str, Any],
                    kwargs: dict[str, Any]) -> AgentLoopOutput:

@@ -17,9 +17,9 @@ from uuid import uuid4
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, register
 from verl.utils.profiler import simple_timer
 
-from spo_verl.adapters.agent_loops.sessions import session_output
+from spo_verl.adapters.agent_loops.sessions import Dialogue, session_output
 from spo_verl.core.config import SPOSettings, parse_spo_settings
-from spo_verl.core.episodes.environment import environment_factory
+from spo_verl.core.episodes.environment import Environment, environment_factory
 from spo_verl.core.episodes.episode import Episode, EpisodeRules, play
 
 EPISODE_AGENT_LOOP = "spo_episode"
@@ -60,16 +60,23 @@ class EpisodePlayer:
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
+    def start(self, row: dict[str, Any]) -> Environment:
+        """A fresh environment reset with the prompt's row."""
+        environment = self.environment_factory()
+        environment.reset(row)
+        return environment
+
     async def play(self, game: tuple, row: dict[str, Any], keep_boundaries: bool = False) -> Episode:
         """``game``: (generate, request id, prompt ids, sampling params). An environment that fails ends
         its episode with reward 0, logged with the prompt's uid; the batch goes on."""
-        environment = self.environment_factory()
-        environment.reset(row)
-        episode = await play(*game, environment, self.render, self.decode, self.rules, keep_boundaries=keep_boundaries)
-        if episode.error is not None:
-            logger.warning("the environment failed in an episode of prompt %s (%s); it scores 0", row.get("uid"),
-                           episode.error)
+        episode = await play(*game, self.start(row), self.render, self.decode, self.rules, keep_boundaries=keep_boundaries)
+        log_environment_error(row, episode.error)
         return episode
+
+
+def log_environment_error(row: dict[str, Any], error: str | None) -> None:
+    if error is not None:
+        logger.warning("the environment failed in an episode of prompt %s (%s); it scores 0", row.get("uid"), error)
 
 
 @register(EPISODE_AGENT_LOOP)
@@ -85,4 +92,4 @@ class SPOEpisodeAgentLoop(AgentLoopBase):
         with simple_timer("generate_sequences", metrics):
             episode = await self.player.play((self.server_manager.generate, uuid4().hex, prompt_ids, sampling_params), kwargs)
         return session_output(prompt_ids, episode.response_ids, episode.response_log_probs, None, metrics,
-                              [turn.server_fields for turn in episode.turns], episode=episode)
+                              [turn.server_fields for turn in episode.turns], dialogue=Dialogue.of(episode))

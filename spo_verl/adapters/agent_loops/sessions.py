@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
@@ -45,23 +46,36 @@ class PromptJobs(Generic[Job]):
                 self._jobs.pop(uid, None)
 
 
+@dataclass(frozen=True)
+class Dialogue:
+    """What verl needs of a multi-turn response beyond its tokens: which tokens are the model's (the
+    environment's replies are 0), how many messages verl's tool agent loop would count (the prompt, each
+    turn, each reply) and the episode's reward, so that verl's reward step does not score it again."""
+
+    response_mask: list[int]
+    messages: int
+    reward: float
+
+    @classmethod
+    def of(cls, episode: Episode) -> "Dialogue":
+        return cls(episode.response_mask, episode.messages, episode.reward)
+
+
 def session_output(prompt_ids: list[int], response_ids: list[int], response_logprobs: list[float] | None,
                    spo: SPORow | None, metrics: dict[str, float], server_fields: list[dict[str, Any]],
-                   trains: bool = True, episode: Episode | None = None) -> AgentLoopOutput:
+                   trains: bool = True, dialogue: Dialogue | None = None) -> AgentLoopOutput:
     """A session's response as verl's single-turn agent loop returns one, its SPO metadata (if any: an
     episode played for verl's own estimators has none) in ``extra_fields["spo"]``; a response that
-    ``trains`` nothing has an all-zero response mask. An
-    ``episode``'s response keeps the environment's replies out of the mask, counts its messages as
-    verl's tool agent loop does (the prompt, each turn, each reply) and carries its reward, so that
-    verl's reward step does not score the dialogue again."""
-    mask = episode.response_mask if episode is not None else [1] * len(response_ids)
+    ``trains`` nothing has an all-zero response mask; a ``dialogue``'s keeps the environment's replies
+    out of the mask and carries the episode's reward."""
+    mask = dialogue.response_mask if dialogue is not None else [1] * len(response_ids)
     return AgentLoopOutput(
         prompt_ids=prompt_ids,
         response_ids=response_ids,
         response_mask=[m if trains else 0 for m in mask],
         response_logprobs=response_logprobs,
-        num_turns=SINGLE_TURN if episode is None else episode.messages,
-        reward_score=None if episode is None else episode.reward,
+        num_turns=SINGLE_TURN if dialogue is None else dialogue.messages,
+        reward_score=None if dialogue is None else dialogue.reward,
         metrics=AgentLoopMetrics(**metrics),
         extra_fields={**merged_weight_versions(server_fields), **({} if spo is None else {SPO_FIELD: to_extra_field(spo)}),
                       "turn_scores": [], "tool_rewards": []},

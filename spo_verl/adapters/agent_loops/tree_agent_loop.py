@@ -12,6 +12,10 @@ With ``algorithm.spo.tree.branch_at=cutpoint`` the tree forks at cutpoints
 (``spo_verl.core.rollout.cutpoint_tree``): its leaves take the first slots in node order, and
 ``rollout.n`` must be at least the most leaves its settings allow; the slots beyond the leaves a tree
 produced return nothing (or a copy that trains nothing).
+
+With ``algorithm.spo.tree.branch_at=turn`` the tree forks a multi-turn episode between the model's turns
+(``spo_verl.core.episodes.turn_tree``): a leaf's response is its dialogue, the environment's replies out
+of the mask, and its score is its episode's reward (handed to verl, which does not score it again).
 """
 
 from __future__ import annotations
@@ -25,10 +29,13 @@ from uuid import uuid4
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, register
 from verl.utils.profiler import simple_timer
 
-from spo_verl.adapters.agent_loops.sessions import PromptJobs, session_output
+from spo_verl.adapters.agent_loops.episode_agent_loop import EpisodePlayer, log_environment_error
+from spo_verl.adapters.agent_loops.sessions import Dialogue, PromptJobs, session_output
 from spo_verl.core.algorithms.segments import cut_by_length_limit
 from spo_verl.core.config import check_cutpoint_tree_fits, check_tree_fits, parse_spo_settings, tree_segment_budgets
-from spo_verl.core.metadata import CutpointTreeStatistics, TreeLeafRow, TreeStatistics
+from spo_verl.core.episodes.episode import ENDED_BY_ENVIRONMENT
+from spo_verl.core.episodes.turn_tree import sample_turn_tree
+from spo_verl.core.metadata import CutpointTreeStatistics, EpisodeStatistics, TreeLeafRow, TreeStatistics
 from spo_verl.core.rollout.cutpoint_tree import CutpointTree, sample_cutpoint_tree
 from spo_verl.core.rollout.tree import SampledTree, sample_tree
 
@@ -78,6 +85,10 @@ class SPOTreeAgentLoop(AgentLoopBase):
         self.legacy_trainer = not self.config.trainer.get("use_v1", True)
         if self.settings.branch_at == "cutpoint":
             check_cutpoint_tree_fits(self.settings.cutpoint, self.rollout_config.n)
+        elif self.settings.branch_at == "turn":  # a turn is as long as it is: no segment budgets
+            check_tree_fits(self.settings.branching, (), self.response_length, self.rollout_config.n)
+            self.player = EpisodePlayer(parse_spo_settings(self.config.algorithm.get("spo", None)), self.tokenizer,
+                                        self.response_length)
         else:
             check_tree_fits(self.settings.branching, tree_segment_budgets(self.settings), self.response_length,
                             self.rollout_config.n, self.settings.align_to_block)
@@ -103,7 +114,13 @@ class SPOTreeAgentLoop(AgentLoopBase):
         request_id = uuid4().hex  # one id per tree: the whole subtree stays on one server's prefix cache
         eos_token_ids = {self.tokenizer.eos_token_id}
         with simple_timer("generate_sequences", metrics):
-            if self.settings.branch_at == "cutpoint":
+            if self.settings.branch_at == "turn":
+                tree = await sample_turn_tree(self.server_manager.generate, request_id, prompt_ids, sampling_params,
+                                              self.player.start(kwargs), self.player.render, self.player.decode,
+                                              self.player.rules, self.settings.branching)
+                for leaf in tree.leaves():
+                    log_environment_error(kwargs, tree.nodes[leaf].error)
+            elif self.settings.branch_at == "cutpoint":
                 tree = await sample_cutpoint_tree(self.server_manager.generate, request_id, prompt_ids, sampling_params,
                                                   self.settings.cutpoint, self.response_length, eos_token_ids)
             else:
@@ -122,13 +139,28 @@ class SPOTreeAgentLoop(AgentLoopBase):
 
     def _leaf_output(self, tree: SampledTree, leaf: int, metrics: dict, trains: bool) -> AgentLoopOutput:
         token_ids, log_probs = tree.prefix(leaf)
+        node, dialogue, episode = tree.nodes[leaf], None, None
+        if self.settings.branch_at == "turn":
+            mask = tree.response_mask(leaf)
+            turns, replies = _runs(mask, 1), _runs(mask, 0)
+            dialogue = Dialogue(mask, 1 + turns + replies, node.reward)
+            episode = EpisodeStatistics(turns, mask.count(0), node.ended_by, node.error)
+            truncated = node.ended_by != ENDED_BY_ENVIRONMENT  # scores 0, as its episode does
+        else:  # the estimator scores a truncated leaf by algorithm.spo.truncated_response_score
+            truncated = cut_by_length_limit(token_ids, self.response_length, {self.tokenizer.eos_token_id})
         spo = TreeLeafRow(
             tree_id=tree.tree_id,  # unique per sampled tree; the estimator checks one tree per uid
             path=tree.path(leaf),
             segment_ends=tree.segment_ends(leaf),
             trains=trains,
-            # The estimator scores a truncated leaf by algorithm.spo.truncated_response_score.
-            truncated=cut_by_length_limit(token_ids, self.response_length, {self.tokenizer.eos_token_id}),
+            truncated=truncated,
             tree=tree_statistics(tree),
+            episode=episode,
         )
-        return session_output(tree.prompt_ids, token_ids, log_probs, spo, metrics, tree.server_fields(leaf), trains)
+        return session_output(tree.prompt_ids, token_ids, log_probs, spo, metrics, tree.server_fields(leaf), trains,
+                              dialogue)
+
+
+def _runs(mask: list[int], value: int) -> int:
+    """Maximal runs of ``value`` in ``mask``: a dialogue's turns (1) or replies (0)."""
+    return sum(1 for i, m in enumerate(mask) if m == value and (i == 0 or mask[i - 1] != value))

@@ -25,11 +25,12 @@ VALIDATION_AGENT_LOOP = "single_turn_agent"
 
 
 def plays_episodes(config: Any) -> bool:
-    """The rollout plays multi-turn episodes: SPO-chain over turns, or verl's estimators on ``spo_episode``."""
+    """The rollout plays multi-turn episodes: SPO-chain or SPO-tree over turns, or verl's estimators on
+    ``spo_episode``."""
     loop = config.actor_rollout_ref.rollout.agent.default_agent_loop
     spo = (config.get("algorithm") or {}).get("spo") or {}
-    partition = (spo.get("chain") or {}).get("partition")
-    return loop == EPISODE_AGENT_LOOP or (loop == "spo_chain" and partition == "turn")
+    return (loop == EPISODE_AGENT_LOOP or (loop == "spo_chain" and (spo.get("chain") or {}).get("partition") == "turn")
+            or (loop == "spo_tree" and (spo.get("tree") or {}).get("branch_at") == "turn"))
 
 
 class PlainValidationBatches:
@@ -164,7 +165,9 @@ def batch_metrics(context: SPOBatchContext, response_mask) -> dict[str, float]:
             metrics["spo/chain/boundary_value_std"] = float(np.std(values))
             metrics["spo/chain/boundary_value_min"] = float(np.min(values))
             metrics["spo/chain/boundary_value_max"] = float(np.max(values))
-    episodes = [row for row in chains if row.episode is not None]
+    # A tree's leaves are its episodes (the legacy trainer's stand-in copies of a leaf train nothing, and count not).
+    episodes = [row for row in context.rows if (isinstance(row, ChainRow) or isinstance(row, TreeLeafRow) and row.trains)
+                and row.episode is not None]
     if episodes:
         metrics.update(episode_metrics(episodes))
     if context.trained_mask is not None:
@@ -174,9 +177,10 @@ def batch_metrics(context: SPOBatchContext, response_mask) -> dict[str, float]:
     return metrics
 
 
-def episode_metrics(rows: list[ChainRow]) -> dict[str, float]:
+def episode_metrics(rows: list[ChainRow | TreeLeafRow]) -> dict[str, float]:
     """``spo/turns/*``: the model's turns an episode, the environment's tokens, how episodes ended, and
-    the mean value of the dialogue at the start of each turn (turn 1: the prompt's)."""
+    (SPO-chain over turns) the mean value of the dialogue at the start of each turn (turn 1: the prompt's).
+    A tree's leaves are its episodes."""
     stats = [row.episode for row in rows]
     metrics = {
         "spo/turns/turns_per_episode": float(np.mean([s.turns for s in stats])),
@@ -184,8 +188,9 @@ def episode_metrics(rows: list[ChainRow]) -> dict[str, float]:
         "spo/turns/ended_by_environment_fraction": float(np.mean([s.ended_by == "environment" for s in stats])),
         "spo/turns/environment_errors": float(sum(s.environment_error is not None for s in stats)),
     }
-    for turn in range(1, max(len(row.boundary_values) for row in rows) + 1):
-        values = [row.boundary_values[turn - 1] for row in rows if len(row.boundary_values) >= turn]
+    chains = [row for row in rows if isinstance(row, ChainRow)]
+    for turn in range(1, max((len(row.boundary_values) for row in chains), default=0) + 1):
+        values = [row.boundary_values[turn - 1] for row in chains if len(row.boundary_values) >= turn]
         metrics[f"spo/turns/value_before_turn{turn}"] = float(np.mean(values))
     return metrics
 

@@ -69,6 +69,8 @@ def validate_spo_run(config: Any) -> None:
             )
     if estimator == "spo_tree" and settings.tree.branch_at == "cutpoint":
         check_cutpoint_tree_fits(settings.tree.cutpoint, rollout.n)
+    elif estimator == "spo_tree" and settings.tree.branch_at == "turn":  # a turn is as long as it is: no budgets
+        check_tree_fits(settings.tree.branching, (), rollout.response_length, rollout.n)
     elif estimator == "spo_tree":
         check_tree_fits(settings.tree.branching, tree_segment_budgets(settings.tree), rollout.response_length, rollout.n,
                         settings.tree.align_to_block)

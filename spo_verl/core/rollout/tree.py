@@ -31,6 +31,12 @@ class TreeNode:
     children: list[int] = field(default_factory=list)
     stopped: bool = False  # ended with EOS or at the response-length limit
     server_fields: dict = field(default_factory=dict)  # TokenOutput.extra_fields (weight versions)
+    # A tree over turns (spo_verl.core.episodes.turn_tree): which tokens are the model's (the environment's
+    # replies are 0; None: all of them), and on a leaf how its episode ended and its reward.
+    response_mask: list[int] | None = None
+    reward: float | None = None
+    ended_by: str | None = None
+    error: str | None = None
 
 
 @dataclass
@@ -54,6 +60,13 @@ class SampledTree:
             token_ids += self.nodes[step].token_ids
             log_probs += self.nodes[step].log_probs
         return token_ids, log_probs
+
+    def response_mask(self, node_id: int) -> list[int]:
+        mask = []
+        for step in self.path(node_id):
+            node = self.nodes[step]
+            mask += node.response_mask if node.response_mask is not None else [1] * len(node.token_ids)
+        return mask
 
     def server_fields(self, node_id: int) -> list[dict]:
         return [self.nodes[step].server_fields for step in self.path(node_id)]
