@@ -215,6 +215,7 @@ async def test_the_episode_loop_plays_the_same_dialogue_without_values(tiny_mode
         second = first + out.response_mask[first:].index(1)
         assert reply == out.response_ids[second - len(reply):second] and out.response_mask[second:] == [1] * (len(out.response_ids) - second)
         assert "spo" not in out.extra_fields and out.num_turns == 4
+        assert out.extra_fields["reward_extra_info"] == {"acc": out.reward_score}  # as verl's reward manager records it
         assert out.reward_score == dialogue_reward(out, second, tokenizer, answer=6)
     assert len(calls) == 2 * len(outputs)  # two turns an episode, no continuations
 

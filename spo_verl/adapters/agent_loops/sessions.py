@@ -67,7 +67,8 @@ def session_output(prompt_ids: list[int], response_ids: list[int], response_logp
     """A session's response as verl's single-turn agent loop returns one, its SPO metadata (if any: an
     episode played for verl's own estimators has none) in ``extra_fields["spo"]``; a response that
     ``trains`` nothing has an all-zero response mask; a ``dialogue``'s keeps the environment's replies
-    out of the mask and carries the episode's reward."""
+    out of the mask and carries the episode's reward, also as ``acc`` in ``reward_extra_info``, where
+    verl's reward manager puts a score (its validation metrics read ``acc`` from there)."""
     mask = dialogue.response_mask if dialogue is not None else [1] * len(response_ids)
     return AgentLoopOutput(
         prompt_ids=prompt_ids,
@@ -78,5 +79,6 @@ def session_output(prompt_ids: list[int], response_ids: list[int], response_logp
         reward_score=None if dialogue is None else dialogue.reward,
         metrics=AgentLoopMetrics(**metrics),
         extra_fields={**merged_weight_versions(server_fields), **({} if spo is None else {SPO_FIELD: to_extra_field(spo)}),
+                      **({} if dialogue is None else {"reward_extra_info": {"acc": dialogue.reward}}),
                       "turn_scores": [], "tool_rewards": []},
     )
