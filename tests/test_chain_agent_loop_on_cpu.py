@@ -144,6 +144,22 @@ def test_cutpoints_need_temperature_scaled_log_probs(tiny_model, reward_file):
         make_agent_loop(SPOChainAgentLoop, config, None, tiny_model[1])
 
 
+# The dialogue both episode loops play: start 5, +3 (in the prompt), then -2 from the environment; turns of
+# at most 4 tokens.
+DIALOGUE_TURNS = ("+algorithm.spo.turns.environment=arithmetic_dialogue", "+algorithm.spo.turns.max_turns=3",
+                  "+algorithm.spo.turns.max_turn_tokens=4")
+
+
+async def play_dialogue(loop_class, config, client, tokenizer, uid):
+    """Every session of the dialogue's prompt, and the generate calls they made."""
+    before = len(client.calls)
+    outputs = await run_sessions(
+        loop_class, config, client, tokenizer, uid, [{"role": "user", "content": "Start with 5. Add 3 to that."}],
+        sampling_params=SAMPLING, data_source="toy", reward_model={"ground_truth": "6"},
+        extra_info={"start": 5, "operations": ["+3", "-2"], "answer": 6})
+    return outputs, client.calls[before:]
+
+
 def dialogue_reward(out, last_turn: int, tokenizer, answer: int) -> float:
     """The arithmetic dialogue's reward of a two-turn episode whose last turn starts at ``last_turn``: the
     last number of that turn against the answer, unless the response length cut the turn (no EOS at the
@@ -161,15 +177,8 @@ async def test_a_multi_turn_episode_against_the_arithmetic_dialogue(tiny_model, 
     from spo_verl.adapters.agent_loops.episode_agent_loop import chat_reply_tokens
 
     model_dir, tokenizer = tiny_model
-    config = chain_config(model_dir, reward_file, "+algorithm.spo.chain.partition=turn",
-                          "+algorithm.spo.turns.environment=arithmetic_dialogue", "+algorithm.spo.turns.max_turns=3",
-                          "+algorithm.spo.turns.max_turn_tokens=4")
-    before = len(recording_client.calls)
-    outputs = await run_sessions(
-        SPOChainAgentLoop, config, recording_client, tokenizer, "dialogue1",
-        [{"role": "user", "content": "Start with 5. Add 3 to that."}], sampling_params=SAMPLING, data_source="toy",
-        reward_model={"ground_truth": "6"}, extra_info={"start": 5, "operations": ["+3", "-2"], "answer": 6})
-    calls = recording_client.calls[before:]
+    config = chain_config(model_dir, reward_file, "+algorithm.spo.chain.partition=turn", *DIALOGUE_TURNS)
+    outputs, calls = await play_dialogue(SPOChainAgentLoop, config, recording_client, tokenizer, "dialogue1")
     reply = chat_reply_tokens(tokenizer, "Subtract 2 from that.")
     eos = tokenizer.eos_token_id
     for out in outputs:  # two turns of at most 4 tokens: the environment answers the first, ends after the second
@@ -200,15 +209,9 @@ async def test_the_episode_loop_plays_the_same_dialogue_without_values(tiny_mode
     from spo_verl.adapters.agent_loops.episode_agent_loop import SPOEpisodeAgentLoop, chat_reply_tokens
 
     model_dir, tokenizer = tiny_model
-    config = chain_config(model_dir, reward_file, "+algorithm.spo.turns.environment=arithmetic_dialogue",
-                          "+algorithm.spo.turns.max_turns=3", "+algorithm.spo.turns.max_turn_tokens=4",
+    config = chain_config(model_dir, reward_file, *DIALOGUE_TURNS,
                           "actor_rollout_ref.rollout.agent.default_agent_loop=spo_episode")
-    before = len(recording_client.calls)
-    outputs = await run_sessions(
-        SPOEpisodeAgentLoop, config, recording_client, tokenizer, "dialogue2",
-        [{"role": "user", "content": "Start with 5. Add 3 to that."}], sampling_params=SAMPLING, data_source="toy",
-        reward_model={"ground_truth": "6"}, extra_info={"start": 5, "operations": ["+3", "-2"], "answer": 6})
-    calls = recording_client.calls[before:]
+    outputs, calls = await play_dialogue(SPOEpisodeAgentLoop, config, recording_client, tokenizer, "dialogue2")
     reply = chat_reply_tokens(tokenizer, "Subtract 2 from that.")
     for out in outputs:
         first = out.response_mask.index(0)
