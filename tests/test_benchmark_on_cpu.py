@@ -185,3 +185,15 @@ def test_the_step_section_says_what_the_credit_metrics_cost_against_the_same_ste
     cli.step_section(missed, {"setting": "cpu-smollm2", "steps": 3,
                               "runs": [run(PER_ROW, 30.0, None), run(PACKED, 12.0, 0.02)]})
     assert "| 2.000% (median of steps 2-3) | **MISS** reading the batch costs more than planned |" in render(missed, header("test", 1, None))
+
+
+def test_a_memory_case_reports_its_peak_above_the_reset_mark_never_below_it():
+    from spo_verl.tools.benchmarks.timing import measure_memory_case
+
+    idle = measure_memory_case(lambda: (lambda: None))
+    assert idle["peak_mib"] >= 0  # nothing allocated: 0, never the "-0" of a baseline read before the reset
+
+    def allocating():
+        return lambda: bytearray(64 * 2**20)  # 64 MiB, touched (zero-filled), then freed
+
+    assert 60 <= measure_memory_case(allocating)["peak_mib"] < 200
