@@ -153,6 +153,10 @@ def compute_spo_chain_advantage(
 def _tree_advantage_metrics(result) -> dict[str, float]:
     metrics = {}
     depths, advantages = result.node_depths, result.node_advantages
+    for depth in range(int(depths.max().item()) if depths.numel() else 0):  # leaves' values are rewards
+        at_depth = result.node_values[depths == depth].double()
+        if at_depth.numel():
+            metrics[f"spo/tree/value_mean/depth{depth}"] = at_depth.mean().item()
     for depth in range(1, int(depths.max().item()) + 1 if depths.numel() else 1):
         at_depth = advantages[depths == depth].double()
         if at_depth.numel() == 0:

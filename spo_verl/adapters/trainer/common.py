@@ -170,11 +170,19 @@ def batch_metrics(context: SPOBatchContext, response_mask) -> dict[str, float]:
                 and row.episode is not None]
     if episodes:
         metrics.update(episode_metrics(episodes))
+        if any(isinstance(row, TreeLeafRow) for row in episodes):
+            # A tree over turns: a node above the last depth ends after its turn, so the nodes at depth
+            # k - 1 (the roots for k = 1) hold the values before turn k.
+            for key in [key for key in metrics if key.startswith(TREE_VALUE_PREFIX)]:
+                metrics[f"spo/turns/value_before_turn{int(key.removeprefix(TREE_VALUE_PREFIX)) + 1}"] = metrics[key]
     if context.trained_mask is not None:
         response_tokens = float(response_mask.sum())
         metrics["spo/trained_tokens"] = float(context.trained_mask.sum())
         metrics["spo/trained_token_fraction"] = float(context.trained_mask.sum()) / max(response_tokens, 1.0)
     return metrics
+
+
+TREE_VALUE_PREFIX = "spo/tree/value_mean/depth"
 
 
 def episode_metrics(rows: list[ChainRow | TreeLeafRow]) -> dict[str, float]:
