@@ -11,6 +11,7 @@ under CI (environment variable CI=true), where the browser is part of the set-up
 """
 
 import csv
+import re
 import os
 import subprocess
 import sys
@@ -312,3 +313,27 @@ def test_seeds_of_one_algorithm_are_summarised_with_their_standard_error(tmp_pat
     for name in ("accuracy_vs_step.png", "accuracy_vs_generated_tokens.png"):
         with Image.open(written[name]) as image:
             assert image.size[0] >= 600
+
+
+def test_an_episode_is_drawn_turn_by_turn_with_the_environments_tokens_set_apart():
+    from spo_verl.tools.report.page import _response_block
+
+    response = {"uid": "u", "prompt": "Start with 7. Add 3 to that.", "tokens": list("10|-2|8|"),
+                "probs": [0.5] * 8, "in_prob_mask": [1, 1, 1, 0, 0, 0, 1, 1], "advantages": [0.25] * 3 + [0.0] * 3 + [0.5] * 2,
+                "trained": [1, 1, 1, 0, 0, 0, 1, 1], "score": 1.0, "truncated": False,
+                "segments": [{"start": 0, "end": 6, "advantage": 0.25, "value_before": 0.25, "value_after": 0.5,
+                              "cutpoint": False, "node": None, "trained": True},
+                             {"start": 6, "end": 8, "advantage": 0.5, "value_before": 0.5, "value_after": 1.0,
+                              "cutpoint": False, "node": None, "trained": True}],
+                "environment": [0, 0, 0, 1, 1, 1, 0, 0],
+                "episode": {"turns": 2, "reply_tokens": 3, "ended_by": "environment", "environment_error": None}}
+    record = {"prob_mask_threshold": 0.9, "prob_mask_applied": True}
+    page = _response_block(record, response, 0, 0.5)
+    assert "episode: 2 turn(s) of the model, 3 tokens of the environment (out of the loss), ended by environment" in page
+    assert page.count("class='turn'") == 2
+    assert "turn 1: V +0.25 &rarr; +0.50, A +0.250" in page and "turn 2: V +0.50 &rarr; +1.00, A +0.500" in page
+    environment = re.findall(r"<span class='tok env'[^>]*>([^<]*)</span>", page)
+    assert environment == ["-", "2", "|"]  # exactly the environment's tokens, none of the model's
+    assert page.count("class='tok masked'") == 5
+    single = _response_block(record, {**response, "environment": None, "episode": None}, 0, 0.5)
+    assert "class='turn'" not in single and "tok env" not in single

@@ -178,3 +178,26 @@ def test_an_unwritable_folder_does_not_stop_training(tmp_path, caplog):
     assert "sample log: could not write step 1" in caplog.text
     config.algorithm.spo.sample_log.dir = None
     assert log_step(1, config, CharTokenizer(), ["u"], [2], lambda chosen: pytest.fail("fetched while off")) is None
+
+
+def test_an_episode_logs_which_tokens_are_the_environments_and_how_it_ended():
+    """SPO-chain over turns: turn 1 (tokens 0-2), the environment's reply (3-4, out of verl's
+    response_mask), turn 2 (5-6); V before the turns 0.25 and 0.5, R = 1."""
+    episode = {"turns": 2, "reply_tokens": 2, "ended_by": "environment", "environment_error": None}
+    row = {"segment_starts": [0, 5], "boundary_values": [0.25, 0.5], "truncated": False, "episode": episode}
+    response_mask = torch.tensor([[1, 1, 1, 0, 0, 1, 1]], dtype=torch.float32)
+    rewards = torch.zeros(1, 7)
+    rewards[0, -1] = 1.0
+    config = algorithm("spo_chain", chain={"partition": "turn"}, turns={"environment": "arithmetic_dialogue"})
+    with provide_spo_rows([row]):
+        advantages, _ = compute_spo_chain_advantage(rewards, response_mask, index=np.array(["e"]), config=config)
+    response = sampled(0, row, 7, advantages[0], response_mask[0].bool(), 1.0, response_mask=response_mask[0])
+    logged = step_record(1, config, "spo_prob_mask", [response], CharTokenizer())["responses"][0]
+    assert logged["environment"] == [0, 0, 0, 1, 1, 0, 0]
+    assert logged["episode"] == episode
+    assert logged["advantages"] == pytest.approx([0.25] * 3 + [0.0] * 2 + [0.5] * 2)
+    assert logged["in_prob_mask"] == [1, 1, 1, 0, 0, 1, 1]  # p = 0.5 < 0.9, and the reply is out of the mask
+    assert [(s["start"], s["end"], s["value_before"], s["value_after"]) for s in logged["segments"]] == [(0, 5, 0.25, 0.5), (5, 7, 0.5, 1.0)]
+    plain = step_record(1, config, "spo_prob_mask", [sampled(0, None, 3, torch.zeros(3), torch.ones(3, dtype=torch.bool), 0.0)],
+                        CharTokenizer())["responses"][0]
+    assert "environment" not in plain and "episode" not in plain  # single-turn responses carry neither

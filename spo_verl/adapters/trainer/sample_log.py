@@ -25,7 +25,11 @@ One line (``step_record``)::
                       "cutpoint": bool,   # the segment starts at a low-probability cutpoint (SPO-chain)
                       "node": str | null, # SPO-tree node id
                       "trained": bool}],
-        "boundary_values": [float]        # SPO-chain only: V before each segment start
+        "boundary_values": [float],       # SPO-chain only: V before each segment start
+        "environment": [0|1],             # multi-turn episodes only: the token is the environment's
+                                          # (out of verl's response_mask), not the model's
+        "episode": {"turns": int, "reply_tokens": int, "ended_by": str,
+                    "environment_error": str | null}   # multi-turn episodes only
      }],
      "tree": {                            # spo_tree only: the whole tree of one prompt, every leaf a response
         "tree_id": str, "uid": str, "leaves": int,
@@ -43,7 +47,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -228,6 +232,10 @@ def response_record(response: SampledResponse, segments: list[dict], threshold: 
     }
     if isinstance(response.row, ChainRow):
         record["boundary_values"] = [_round(v) for v in response.row.boundary_values]
+    episode = getattr(response.row, "episode", None)
+    if episode is not None:
+        record["environment"] = [int(m == 0) for m in response.response_mask.tolist()]
+        record["episode"] = asdict(episode)
     return record
 
 

@@ -178,6 +178,11 @@ def _response_block(record: Mapping, response: Mapping, index: int, scale: float
              f"{moved} with a gradient (non-zero advantage{', in the mask' if record.get('prob_mask_applied') else ''})"]
     if response.get("truncated"):
         facts.append("truncated")
+    episode = response.get("episode")
+    if episode:
+        facts.append(f"episode: {episode['turns']} turn(s) of the model, {episode['reply_tokens']} tokens of the "
+                     f"environment (out of the loss), ended by {html.escape(str(episode['ended_by']))}"
+                     + (f" ({html.escape(str(episode['environment_error']))})" if episode.get("environment_error") else ""))
     block = [f"<div class='meta'>{' &middot; '.join(facts)}</div>"]
     if cut_tokens:
         block.append(f"<div class='meta'>cutpoints (first token of each cut segment): {', '.join(cut_tokens)}</div>")

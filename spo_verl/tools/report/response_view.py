@@ -31,6 +31,8 @@ LOGGED_STYLE = """
 .seg.cut::before { content: '\\2702'; color: #1f4fd8; font-size: .75em; vertical-align: super; }
 .tok.masked { text-decoration: underline 2px; font-weight: bold; }
 .tok.untrained { opacity: .45; }
+.tok.env { font-style: italic; color: #445; background: #e8ecf8; }
+.turn { font-size: .7em; color: #333; vertical-align: super; margin-right: .2em; }
 .swatch { display: inline-block; min-width: 4.2em; text-align: center; border: 1px solid #ccc; margin: 0 1px; }
 """
 
@@ -48,8 +50,11 @@ def render_logged_response(record: dict, scale: float, show_prob_mask: bool) -> 
     """One logged response as HTML: a bar before every segment (a thick blue one with a scissors mark
     where the segment starts at a low-probability cutpoint), the segment's background coloured by
     its advantage, tokens in the probability mask bold and underlined (when the loss uses the mask),
-    tokens left out of the loss faded, and hover titles with the numbers."""
+    tokens left out of the loss faded, and hover titles with the numbers. In a multi-turn episode each
+    segment is a turn, labelled with its values and advantage, and the environment's tokens are set
+    apart (italic, on their own background)."""
     tokens, probs = record["tokens"], record["probs"]
+    environment = record.get("environment")
     parts = ["<div class='response'>"]
     for index, segment in enumerate(record["segments"]):
         classes = "seg cut" if segment.get("cutpoint") else "seg"
@@ -59,8 +64,15 @@ def render_logged_response(record: dict, scale: float, show_prob_mask: bool) -> 
                  f"{_number(segment.get('value_after'), 3)}" + ("" if segment.get("trained") else ", not trained here"))
         parts.append(f"<span class='{classes}' style='background:{advantage_colour(segment['advantage'], scale)}' "
                      f"title='{html.escape(title, quote=True)}'>")
+        if environment is not None:
+            parts.append(f"<span class='turn'>turn {index + 1}: V {_number(segment.get('value_before'), 2)} &rarr; "
+                         f"{_number(segment.get('value_after'), 2)}, A {_number(segment['advantage'], 3)}</span>")
         for t in range(segment["start"], min(segment["end"], len(tokens))):
             token_classes = ["tok"]
+            if environment is not None and environment[t]:
+                parts.append(f"<span class='tok env' title='the environment&#x27;s token: not in the loss'>"
+                             f"{html.escape(tokens[t])}</span>")
+                continue
             if show_prob_mask and record["in_prob_mask"][t]:
                 token_classes.append("masked")
             if not record["trained"][t]:
