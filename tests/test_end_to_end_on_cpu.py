@@ -4,16 +4,17 @@ verl's TaskRunner and Ray worker groups, the FSDP2 engine training on gloo, verl
 vLLM's CPU backend, verl's GSM8K reward, the SPO advantage step and loss, and verl's actor -> vLLM
 weight sync, on the tiny ``cpu-tiny`` setting (spo_verl/tools/cpu_settings/tiny.py). The README's command, with
 no settings, trains the CPU default (``cpu-smollm2``: SmolLM2-135M, whose tied head must sync into
-vLLM) for two steps, and the study command ``scripts/compare.sh --quick`` (SPO-tree, then SPO-chain) is
-stopped after its first checkpoint, resumed (SPO-tree alone, then validated by sampling) and run once
-more (SPO-chain), report included. SPO-chain over turns trains on cpu-tiny's two-turn arithmetic
-dialogues against the ``arithmetic_dialogue`` environment.
+vLLM) for two steps, and the study command ``scripts/compare.sh --quick`` (SPO-tree forking at
+cutpoints, then SPO-chain) is stopped after its first checkpoint, resumed (the tree alone, then
+validated by sampling) and run once more (SPO-chain), report included, its runs then archived and
+restored. SPO-chain over turns (v1 trainer) and SPO-tree branching between turns (legacy trainer) train
+on cpu-tiny's two-turn arithmetic dialogues against the ``arithmetic_dialogue`` environment.
 
 A run costs about two minutes of two cores, almost all of it verl, Ray and vLLM starting (the table
 at the end of the session splits each run's time by phase), so each run covers every seam its
 configuration can show, and a resumed run is started only where resuming has its own code: once per
 trainer (the study's resume is the v1 trainer's). tests/README.md maps each seam to the run that
-covers it; adding a case is a row there and a line in ``CASES``. Each case trains 2 steps, validates
+covers it; adding a case is a row there and a line in ``CASES`` (``TURN_CASES`` for episodes). Each case trains 2 steps, validates
 and checkpoints at step 2, and its resumed run (where it has one) trains step 3. The runs go a few at a
 time (``SPO_E2E_PARALLEL``, default 3) in one module fixture, and each test reads its run's results.
 """
@@ -85,18 +86,34 @@ class TrainerCase:
     overrides: tuple[str, ...] = ()
     first_only: tuple[str, ...] = ()  # overrides of the first run only
     resumed: bool = False
+    dialogues: bool = False  # multi-turn: cpu-tiny's two-turn dialogues (DIALOGUES), the sample log on
 
 
 CASES = [
-    TrainerCase("v1-grpo_prob_mask-bf16", "run_grpo.sh", "grpo_prob_mask", CHECK + VERL_MIXED_PRECISION),
-    # PPO with its critic on verl's own per-row forward and old-log-prob pass (PPO's advantages are never
-    # all zero, so each step trains per row), stopped by the plugin's token budget.
-    TrainerCase("v1-ppo-per_row", "run_grpo.sh", "ppo", PER_ROW, BUDGET_STOP),
-    # The legacy trainer's tree path (a leaf row per session, stand-in rows that train nothing) with a
-    # tree that forks at cutpoints: its unused slots are the stand-ins. Resumed: the legacy trainer's own
-    # checkpoint loading.
-    TrainerCase("legacy-spo_tree_cutpoint", "run_spo_tree.sh", "spo_tree_cutpoint", LEGACY + CHECK, BUDGET_STOP,
-                resumed=True),
+    # verl's GRPO with SPO's probability-masked loss on verl's own per-row forward and old-log-prob pass,
+    # stopped by the plugin's token budget.
+    TrainerCase("v1-grpo_prob_mask-per_row", "run_grpo.sh", "grpo_prob_mask", PER_ROW, BUDGET_STOP),
+]
+
+# Multi-turn episodes: the cpu-tiny setting's two-turn arithmetic dialogues against the arithmetic_dialogue
+# environment, each of the model's turns at most 12 tokens, the sample log on to read the rows verl trained.
+DIALOGUES = ("algorithm.spo.turns.environment=arithmetic_dialogue", "algorithm.spo.turns.max_turns=2",
+             "algorithm.spo.turns.max_turn_tokens=12", "data.max_prompt_length=128", "data.max_response_length=96")
+TURN_TREES = 16
+TURN_CASES = [
+    # SPO-chain over turns in verl's bfloat16 mixed precision (the GPU's precision path), packed, its first
+    # update checked per row.
+    TrainerCase("v1-spo_chain-turns-bf16", "run_spo_chain.sh", "spo_chain",
+                ("algorithm.spo.chain.partition=turn", *CHECK, *VERL_MIXED_PRECISION), dialogues=True),
+    # SPO-tree branching between turns on the legacy trainer (a leaf row per session), the setting's 3-3
+    # tree: each of 3 first turns continued by 3 second turns. The tiny model gets 1-13 % of the
+    # dialogues' leaves right a step (trial runs), and a trial run of 4 trees a step had a step in which
+    # no tree had a right leaf, so nothing to train: TURN_TREES trees a step (the tiny model's rollouts
+    # and updates are cheap) make a run without a single update practically impossible. Stopped by its
+    # token budget; resumed: the legacy trainer's own checkpoint loading.
+    TrainerCase("legacy-spo_tree-turns", "run_spo_tree.sh", "spo_tree",
+                (*LEGACY, *CHECK, "algorithm.spo.tree.branch_at=turn", f"data.train_batch_size={TURN_TREES}"),
+                BUDGET_STOP, resumed=True, dialogues=True),
 ]
 
 
@@ -185,12 +202,17 @@ def _run_case(case: TrainerCase, cache: Path, work: Path) -> Case:
     env["SETTING"] = "cpu-tiny"  # the tiny model: these runs check verl's paths, not learning
     if case.algorithm:
         env["ALGORITHM"] = case.algorithm
+    overrides = list(case.overrides)
+    if case.dialogues:
+        data = cache / "data"
+        overrides += [*DIALOGUES, f"data.train_files={data / 'dialogue_train.parquet'}",
+                      f"data.val_files={data / 'dialogue_val.parquet'}", f"algorithm.spo.sample_log.dir={work / 'samples'}"]
     first = _launch(case.script, {**env, "TOTAL_TRAINING_STEPS": "2", "SAVE_FREQ": "2", "TEST_FREQ": "2"},
-                    [*case.overrides, *case.first_only], work / "first.log", work / "first.jsonl")
+                    [*overrides, *case.first_only], work / "first.log", work / "first.jsonl")
     resumed = None
     if case.resumed and first.returncode == 0:
         resumed = _launch(case.script, {**env, "TOTAL_TRAINING_STEPS": "3", "SAVE_FREQ": "-1", "TEST_FREQ": "-1"},
-                          [*case.overrides, "trainer.resume_mode=auto"], work / "resumed.log", work / "resumed.jsonl")
+                          [*overrides, "trainer.resume_mode=auto"], work / "resumed.log", work / "resumed.jsonl")
     return Case(first, resumed, work / "checkpoints")
 
 
@@ -222,35 +244,10 @@ def _run_readme_command(work: Path) -> Run:
     return Run(process.returncode, log, [REPO / metrics.group(1)] if metrics else [], time.perf_counter() - started)
 
 
-# Multi-turn episodes: the cpu-tiny setting's two-turn arithmetic dialogues against the arithmetic_dialogue
-# environment, each of the model's turns at most 12 tokens, the sample log on to read the rows verl trained.
-# SPO-chain over turns on the v1 trainer. (SPO-tree over turns, on the legacy trainer, would be
-# "legacy-spo_tree-turns": (run_spo_tree.sh, spo_tree, (*LEGACY, branch_at=turn, branching=[2,2])); its
-# start would take CI past 30 minutes, so it waits for a start to be freed.)
-DIALOGUES = ("algorithm.spo.turns.environment=arithmetic_dialogue", "algorithm.spo.turns.max_turns=2",
-             "algorithm.spo.turns.max_turn_tokens=12", "data.max_prompt_length=128", "data.max_response_length=96")
-TURN_RUNS = {
-    "v1-spo_chain-turns": ("run_spo_chain.sh", "spo_chain", ("algorithm.spo.chain.partition=turn",)),
-}
-
-
-def _run_turns(run_id: str, work: Path, cache: Path) -> Run:
-    """One of TURN_RUNS with DIALOGUES and the dialogues' files: 2 steps, validated at step 2, no
-    checkpoint (the other cases cover checkpoints)."""
-    script, algorithm, overrides = TURN_RUNS[run_id]
-    work.mkdir(parents=True)
-    env = {**os.environ, "SPO_CPU_CACHE": str(cache), "SETTING": "cpu-tiny", "ALGORITHM": algorithm,
-           "CHECKPOINT_DIR": str(work / "checkpoints"), "TENSORBOARD_DIR": str(work / "tensorboard"),
-           "EXPERIMENT_NAME": run_id, "TOTAL_TRAINING_STEPS": "2", "SAVE_FREQ": "-1", "TEST_FREQ": "2"}
-    data = cache / "data"
-    return _launch(script, env,
-                   [*DIALOGUES, *overrides, f"data.train_files={data / 'dialogue_train.parquet'}",
-                    f"data.val_files={data / 'dialogue_val.parquet'}", f"algorithm.spo.sample_log.dir={work / 'samples'}"],
-                   work / "run.log", work / "metrics.jsonl")
-
-
-# The study trains SPO-tree (killed, resumed) and then SPO-chain: its runs are the v1 trainer's cases of both.
-STUDY_ALGORITHMS = ("spo_tree", "spo_chain")
+# The study trains SPO-tree forking at cutpoints (killed, resumed), the study's own tree, and then SPO-chain:
+# its runs are the v1 trainer's cases of both (the README's run is its fixed tree's).
+STUDY_TREE = "spo_tree_cutpoint"
+STUDY_ALGORITHMS = (STUDY_TREE, "spo_chain")
 
 
 @dataclass
@@ -276,7 +273,7 @@ def _run_study(work: Path, cache: Path) -> Study:
                "--val-every", "1", "--output-dir", str(work), "--", *CHECK]
     # The second time only SPO-tree, finished and then validated by sampling; the third time both (the
     # finished one skipped, SPO-chain trained).
-    resume_tree = [*command[:3], "--algorithms", "spo_tree", "--sampled-validation", "2", *command[5:]]
+    resume_tree = [*command[:3], "--algorithms", STUDY_TREE, "--sampled-validation", "2", *command[5:]]
     tree, chain = (work / algorithm / "seed0" for algorithm in STUDY_ALGORITHMS)
     marker = tree / "checkpoints" / "latest_checkpointed_iteration.txt"
     trained = ([tree / "metrics-attempt1.jsonl"], [tree / "metrics-attempt2.jsonl"], [chain / "metrics-attempt1.jsonl"])
@@ -336,17 +333,18 @@ def runs(request, tmp_path_factory, run_times):
                     "(SPO_E2E_AFTER_FAILURES=1 starts the runs anyway)", pytrace=False)
     work = tmp_path_factory.mktemp("e2e")
     cache = work / "cpu-tiny"
-    cpu_default.build(cache)  # once, before the runs that share it
     slots = RunSlots(PARALLEL_RUNS)
     with ThreadPoolExecutor(max_workers=PARALLEL_RUNS) as pool:
-        # The longest runs first, so they start at once and the short ones fill the slots around them.
-        study = pool.submit(_in_slots, slots, 1, _run_study, work / "study", cache)
+        # The README's run needs no cpu-tiny: it starts while the cache (a fine-tuning, a minute or
+        # two) is built once for the others. Then the longest runs first, so that the short ones fill
+        # the slots around them.
         readme = pool.submit(_in_slots, slots, 2, _run_readme_command, work / "readme")
-        turns = {run_id: pool.submit(_in_slots, slots, 1, _run_turns, run_id, work / run_id, cache) for run_id in TURN_RUNS}
-        futures = {case.id: pool.submit(_in_slots, slots, 1, _run_case, case, cache, work / case.id) for case in CASES}
+        cpu_default.build(cache)
+        study = pool.submit(_in_slots, slots, 1, _run_study, work / "study", cache)
+        futures = {case.id: pool.submit(_in_slots, slots, 1, _run_case, case, cache, work / case.id)
+                   for case in (*TURN_CASES, *CASES)}  # the resumed one first
         results = {case_id: future.result() for case_id, future in futures.items()}
         results["readme"] = readme.result()
-        results.update({run_id: future.result() for run_id, future in turns.items()})
         results["study"] = study.result()
     for name, result in results.items():
         named = ({"first": result.first, "resumed": result.resumed} if isinstance(result, Case) else
@@ -381,7 +379,8 @@ def _assert_packed_training(steps: dict[int, dict], bound: float, checked_first:
     for step in updates:
         data = steps[step]
         # Prompts of 40-52 tokens under responses of a few: a prompt and its responses (or a 3-3 tree)
-        # pack 3-8x (trial runs: 432 of 3632 row tokens); 2x only if groups or padding rows were scattered.
+        # pack 3-8x (trial runs: 432 of 3632 row tokens; dialogues 4-7x); 2x only if groups or padding
+        # rows were scattered.
         assert 0 < 2 * data["spo/packing/packed_tokens"] < data["spo/packing/row_tokens"], (step, data)
         assert data["spo/packing/per_row_micro_batches"] == 0, (step, data)
     checked = [step for step in updates if "spo/packing/check/micro_batches" in steps[step]]
@@ -444,12 +443,6 @@ def _assert_trained(steps: dict[int, dict], expect: Expect, processes: list[dict
         # The mean segment is the tree's generated tokens over its nodes (every node generated once).
         nodes = last["spo/tree/nodes_per_tree"] * last["spo/tree/trees"]
         assert last["spo/tree/segment_tokens_mean"] == pytest.approx(last["spo/tree/generated_tokens"] / nodes)
-    if algorithm == "spo_tree":
-        # 3 depth-1 nodes, each either a leaf (early EOS) or the parent of 3 leaves.
-        for data in steps.values():
-            internal = data["spo/tree/nodes_per_tree"] - data["spo/tree/leaves_per_tree"]
-            assert data["spo/tree/nodes_per_tree"] >= 3 and 0 <= internal <= 3
-            assert data["spo/tree/leaves_per_tree"] == 3 + 2 * internal  # an internal node's 3 leaves replace it
     if algorithm == "spo_tree_cutpoint":
         # 3 responses, each forking at most twice into one continuation: 3-9 paths, one leaf each.
         for data in steps.values():
@@ -541,35 +534,55 @@ def test_readme_run_script_trains_the_real_model_on_cpu(runs):
     assert VALIDATION_KEY in steps[README_STEPS]  # every 2 steps
 
 
-@pytest.mark.parametrize("run_id", TURN_RUNS)
-def test_over_turns_each_turn_is_a_segment_and_the_environments_tokens_are_out_of_the_loss(runs, run_id):
+@pytest.mark.parametrize("case", TURN_CASES, ids=[case.id for case in TURN_CASES])
+def test_over_turns_each_turn_is_a_segment_and_the_environments_tokens_are_out_of_the_loss(runs, case):
     """Multi-turn episodes through verl's trainers: every episode plays its two turns and the
     environment ends it; in the rows verl trained (the sample log), each turn is a segment whose model
     tokens carry V(after) - V(before) where the row trains it (nothing where another row of the tree
-    does), and the environment's reply after the model's end of turn is out of the mask with advantage 0."""
+    does), and the environment's reply after the model's end of turn is out of the mask with advantage 0.
+    Then the case's own: the weights moved and were checkpointed at step 2 (and resumed for step 3), the
+    first update checked per row, bfloat16's bounds."""
     from transformers import AutoTokenizer
 
-    run: Run = runs[run_id]
+    result: Case = runs[case.id]
+    run = result.first
     assert run.returncode == 0, run.failure()
     steps = run.steps()
     assert sorted(steps) == [1, 2]
+    expect = Expect.of(case)
     for step, data in steps.items():
         _assert_actor_updated_or_had_nothing_to_train(step, data)
         assert data["spo/turns/turns_per_episode"] == 2 and data["spo/turns/ended_by_environment_fraction"] == 1, step
         assert data["spo/turns/reply_tokens_per_episode"] > 0 and data["spo/turns/environment_errors"] == 0, step
         assert 0 <= data["spo/turns/value_before_turn1"] <= 1 and 0 <= data["spo/turns/value_before_turn2"] <= 1, step
+        gap = _sync_gap(data)
+        assert gap is None or gap < (BF16_BOUND if expect.bf16 else SYNC_BOUND), (step, gap)
+        if expect.algorithm == "spo_tree":  # 3 first turns, each continued by 3 second turns
+            assert data["spo/tree/trees"] == TURN_TREES and data["spo/tree/leaves_per_tree"] == 9, step
+            assert data["spo/generated_tokens"] == data["spo/tree/generated_tokens"] > 0, step
     assert "val-core/arithmetic_dialogue/acc/mean@1" in steps[2], sorted(steps[2])  # the key the study reads
-    eos = AutoTokenizer.from_pretrained(str(run.log.parents[1] / "cpu-tiny" / "model")).eos_token
+    _assert_packed_training(steps, expect.bound, expect.checked)
+    cache_model = Path(run.log).parents[1] / "cpu-tiny" / "model"
+    assert _actor_weights_changed(result.checkpoints, cache_model) > 0
+    assert (result.checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    if case.resumed:
+        assert result.resumed is not None and result.resumed.returncode == 0, result.resumed.failure()
+        assert sorted(result.resumed.steps()) == [3]
+
+    eos = AutoTokenizer.from_pretrained(str(cache_model)).eos_token
     records = [json.loads(line) for line in (run.log.parent / "samples" / "samples.jsonl").read_text().splitlines()]
     assert [record["step"] for record in records] == [1, 2]
     checked = 0
     for response in (r for record in records for r in record["responses"]):
         segments = response["segments"]
         assert len(segments) == 2 and segments[0]["start"] == 0 and segments[-1]["end"] == len(response["tokens"])
+        assert response["episode"]["turns"] == 2 and response["episode"]["ended_by"] == "environment"
+        replies = []
         for k, segment in enumerate(segments):
             tokens = range(segment["start"], segment["end"])
             turn_end = next(i for i in tokens if response["tokens"][i] == eos)  # the model's end of turn (or the one closing a cut turn)
             reply = range(turn_end + 1, segment["end"])
+            replies += reply
             assert (len(reply) > 0) == (k == 0), (k, response["tokens"])  # a reply follows the first turn only
             assert all(response["in_prob_mask"][i] == 0 and response["trained"][i] == 0 and response["advantages"][i] == 0
                        for i in reply)
@@ -577,13 +590,15 @@ def test_over_turns_each_turn_is_a_segment_and_the_environments_tokens_are_out_o
             assert segment["advantage"] == pytest.approx(advantage, abs=1e-5)
             expected = advantage if segment["trained"] else 0.0
             assert response["advantages"][segment["start"]:turn_end] == pytest.approx([expected] * (turn_end - segment["start"]), abs=1e-5)
+        # The log marks exactly the replies as the environment's tokens (the report sets them apart).
+        assert [i for i, flag in enumerate(response["environment"]) if flag] == replies
         checked += 1
     assert checked > 0
 
 
 def test_study_resumes_a_killed_run_and_skips_a_finished_one(runs):
     study: Study = runs["study"]
-    folder = study.folder("spo_tree")
+    folder = study.folder(STUDY_TREE)
     # Stopped (SIGTERM) once its first checkpoint was written: the run stopped with it.
     assert study.killed.returncode != 0, study.killed.failure()
     first = read_logged_steps(folder / "metrics-attempt1.jsonl")
@@ -593,7 +608,7 @@ def test_study_resumes_a_killed_run_and_skips_a_finished_one(runs):
     resumed_log = study.resumed.log.read_text()
     # From the last checkpoint whose step was logged (the study was stopped after step 1's checkpoint
     # and its log line; stopped in between, it would resume from the checkpoint before).
-    match = re.search(r"compare: spo_tree/seed0: resuming from step (\d+) \(([\d,]+) tokens spent\)", resumed_log)
+    match = re.search(rf"compare: {STUDY_TREE}/seed0: resuming from step (\d+) \(([\d,]+) tokens spent\)", resumed_log)
     assert match, resumed_log[-2000:]
     resumed_from, spent = int(match.group(1)), int(match.group(2).replace(",", ""))
     assert resumed_from >= 1
@@ -617,7 +632,7 @@ def test_study_resumes_a_killed_run_and_skips_a_finished_one(runs):
     # Then its final policy validated by sampling (2 answers a problem, verl's validation from the last
     # checkpoint), apart from the training steps: every held-out problem twice, the accuracy their mean.
     sampled = read_logged_steps(folder / "metrics-sampled-validation.jsonl")
-    assert [step for step, _ in sampled] == [max(steps)] and "compare: spo_tree/seed0: validating the final policy" in resumed_log
+    assert [step for step, _ in sampled] == [max(steps)] and f"compare: {STUDY_TREE}/seed0: validating the final policy" in resumed_log
     answers = [json.loads(line) for line in (folder / "validation_sampled" / f"{max(steps)}.jsonl").read_text().splitlines()]
     greedy = (folder / "validation" / f"{max(steps)}.jsonl").read_text().splitlines()
     assert len(answers) == 2 * len(greedy) and {a["input"] for a in answers} == {json.loads(g)["input"] for g in greedy}
@@ -625,13 +640,13 @@ def test_study_resumes_a_killed_run_and_skips_a_finished_one(runs):
     assert done["final_sampled_accuracy"] == pytest.approx(sampled[0][1]["val-core/openai/gsm8k/acc/mean@2"])
     # One progress line per step of the resumed attempt, and a line for the finished run.
     progress = {int(m.group(1)) for line in resumed_log.splitlines()
-                if (m := re.match(r"compare: spo_tree/seed0 +step +(\d+)", line))}
+                if (m := re.match(rf"compare: {STUDY_TREE}/seed0 +step +(\d+)", line))}
     assert progress == set(second)
-    assert "compare: spo_tree/seed0: done:" in resumed_log
+    assert f"compare: {STUDY_TREE}/seed0: done:" in resumed_log
     # A third time, both algorithms: the finished run skipped, SPO-chain trained.
     assert study.again.returncode == 0, study.again.failure()
     again_log = study.again.log.read_text()
-    assert "compare: spo_tree/seed0: finished earlier, skipped" in again_log
+    assert f"compare: {STUDY_TREE}/seed0: finished earlier, skipped" in again_log
     assert "compare: spo_chain/seed0: done:" in again_log
     chain = json.loads((study.folder("spo_chain") / "done.json").read_text())
     assert chain["steps"] >= 1 and chain["generated_tokens"] > 0 and "final_sampled_accuracy" not in chain
@@ -652,10 +667,36 @@ def test_the_studys_runs_train_on_the_v1_trainer(runs, algorithm):
     every step validated (``--val-every 1``)."""
     folder = runs["study"].folder(algorithm)
     attempts = sorted(folder.glob("metrics-attempt*.jsonl"))
-    assert len(attempts) == (2 if algorithm == "spo_tree" else 1)
+    assert len(attempts) == (2 if algorithm == STUDY_TREE else 1)
     steps = {step: data for step, data in read_logged_steps(folder / "metrics.jsonl") if step > 0}
     processes = [{step: data for step, data in read_logged_steps(path) if step > 0 and "actor/pg_loss" in data}
                  for path in attempts]
     _assert_trained(steps, Expect(algorithm, checked=True), [process for process in processes if process])
     assert all(VALIDATION_KEY in data for data in steps.values())
 
+
+
+def test_the_studys_finished_runs_archive_and_restore_to_the_same_verdict_and_table(runs, tmp_path):
+    """The study's real runs kept small (records and one score CSV each) and put back elsewhere: the
+    verdict and the table read the same numbers from the restored runs as from the runs."""
+    from spo_verl.tools.study import table as study_table
+    from spo_verl.tools.study.archive import restore, save
+    from spo_verl.tools.study.verdict import study_at_budget
+
+    study: Study = runs["study"]
+    assert save(study.output, tmp_path / "archive") == [tmp_path / "archive" / a / "seed0" for a in sorted(STUDY_ALGORITHMS)]
+    kept = sum(path.stat().st_size for path in (tmp_path / "archive").rglob("*") if path.is_file())
+    dumps = sum(path.stat().st_size for a in STUDY_ALGORITHMS for path in study.folder(a).glob("validation*/*.jsonl"))
+    assert kept < dumps, (kept, dumps)  # the answers' texts stay behind
+    restored = tmp_path / "restored"
+    assert len(restore(tmp_path / "archive", restored)) == len(STUDY_ALGORITHMS)
+    # Half way to the shorter run's last validation: each run's value is interpolated between two.
+    budget = 0.5 * min(max(data["spo/generated_tokens_cumulative"] for step, data in
+                           read_logged_steps(study.folder(a) / "metrics.jsonl") if step > 0) for a in STUDY_ALGORITHMS)
+    assert study_at_budget(restored, budget) == study_at_budget(study.output, budget)
+    assert all(value is not None for value in study_at_budget(restored, budget).values())
+    again, original = (study_table.read_runs({a: [root / a / "seed0"] for a in STUDY_ALGORITHMS})
+                       for root in (restored, study.output))
+    for algorithm in STUDY_ALGORITHMS:
+        assert [(r.step, sorted(r.base.values()), sorted(r.final.values())) for r in again[algorithm]] == \
+               [(r.step, sorted(r.base.values()), sorted(r.final.values())) for r in original[algorithm]]
