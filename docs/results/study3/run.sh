@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The third study's seed runs (docs/STUDY.md), resumable across machines that keep no disk: trains in a
+# clone of this repository at the tuning's commit, with its own .venv, after putting back the runs this
+# folder already holds; every run that finishes is archived here and committed at once.
+#   bash docs/results/study3/run.sh [CLONE]      # CLONE: where the clone goes (default ../study3)
+# Stop it by ending its process group; run it again to go on.
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
+clone="${1:-$repo/../study3}"
+commit=2ae6efd  # the tuning ran here (docs/results/study3/tune_*.csv)
+archive=docs/results/study3/runs
+if [[ ! -d "$clone/.git" ]]; then
+  git clone -q "$repo" "$clone"
+  git -C "$clone" checkout -q "$commit"
+fi
+[[ -x "$clone/.venv/bin/python" ]] || (cd "$clone" && bash scripts/setup_env.sh)
+python="$repo/.venv/bin/python"
+[[ -x "$python" ]] || (cd "$repo" && bash scripts/setup_env.sh)
+(cd "$repo" && "$python" -m spo_verl.tools.study.archive restore --archive "$archive" --output-dir "$clone/outputs/study3")
+
+archive_finished() {  # archive and commit every run that finished since the last call
+  cd "$repo"
+  "$python" -m spo_verl.tools.study.archive save --output-dir "$clone/outputs/study3" --archive "$archive" |
+    sed -n 's/^archive: saved //p' | while read -r folder; do
+      run="${folder#"$archive"/}"
+      for _ in 1 2 3 4 5; do  # another git command may hold the index for a moment
+        if git add "$folder" && git commit -q -m "The third study: $run finished (trained at $commit)" -- "$folder"; then
+          break
+        fi
+        sleep 5
+      done
+    done
+}
+(while sleep 120; do archive_finished; done) &
+watcher=$!
+trap 'kill $watcher 2>/dev/null || true' EXIT
+
+cd "$clone"
+bash scripts/compare.sh --task steps4 --algorithms spo_tree_cutpoint,grpo_prob_mask,grpo --seeds 0,1,2,3,4,5,6,7 \
+  --lr spo_tree_cutpoint=5e-6,grpo_prob_mask=5e-6,grpo=5e-6 --token-budget 18000 --max-steps 40 --val-every 5 \
+  --sampled-validation 4 --output-dir outputs/study3
+bash scripts/compare.sh --task steps4 --algorithms spo_chain --seeds 0,1,2 --lr 1e-5 --token-budget 18000 \
+  --max-steps 40 --val-every 5 --sampled-validation 4 --output-dir outputs/study3
+archive_finished
