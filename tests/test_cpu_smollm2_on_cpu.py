@@ -184,3 +184,27 @@ def test_the_dialogue_task_plays_episodes_with_every_algorithm(built, script, al
     assert printed.data.max_response_length == 96 and printed.data.train_files == paths["train_files"]
     key, value = setting.split(": ")
     assert OmegaConf.select(printed, key) == value
+
+
+def test_the_calibration_plays_the_dialogue_tasks_episodes_to_their_end(built, tmp_path):
+    """The base model's accuracy on a multi-turn task: each held-out dialogue played against the
+    environment through vLLM (greedy, then sampled), with the run's episode rules, scored by its reward."""
+    import csv
+    import subprocess
+    import sys
+
+    table = tmp_path / "calibration.csv"
+    result = subprocess.run(
+        [sys.executable, "-m", "spo_verl.tools.study.calibration", "--tasks", "dialogue3", "--problems", "3",
+         "--samples", "2", "--cache", str(built["folder"]), "--csv", str(table)],
+        capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    row = next(csv.DictReader(table.open()))
+    assert (row["task"], row["problems"], row["samples"]) == ("dialogue3", "3", "2")
+    assert row["example"].startswith("Start with ") and row["example"].endswith("Answer with the number only.")
+    greedy, sampled = float(row["greedy_accuracy"]), float(row["sampled_accuracy"])
+    assert greedy * 3 == round(greedy * 3) and sampled * 6 == round(sampled * 6)  # whole episodes, rewards 0 or 1
+    assert sampled <= float(row["pass_at_2"]) <= 1 and float(row["mixed_groups"]) <= float(row["pass_at_2"])
+    mixing = subprocess.run([sys.executable, "-m", "spo_verl.tools.study.calibration", "--tasks", "dialogue3,add_add"],
+                            capture_output=True, text=True, timeout=120)
+    assert mixing.returncode == 2 and "apart from the single-turn ones" in mixing.stderr
