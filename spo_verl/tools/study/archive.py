@@ -54,6 +54,14 @@ def answer_rows(run: Path) -> list[dict]:
     return rows
 
 
+def _copy_records(source: Path, target: Path) -> None:
+    """A run's own files but ``done.json``, which its callers copy last: a folder with it is complete."""
+    for pattern in RECORDS:
+        for record in sorted(source.glob(pattern)):
+            if record.name != "done.json":
+                shutil.copy2(record, target / record.name)
+
+
 def save(output_dir: Path, archive: Path) -> list[Path]:
     """Archive every finished run not archived yet; returns the new archive folders."""
     saved = []
@@ -62,10 +70,7 @@ def save(output_dir: Path, archive: Path) -> list[Path]:
         if (target / "done.json").exists():
             continue
         target.mkdir(parents=True, exist_ok=True)
-        for pattern in RECORDS:
-            for record in sorted(run.glob(pattern)):
-                if record.name != "done.json":
-                    shutil.copy2(record, target / record.name)
+        _copy_records(run, target)
         with open(target / ANSWERS_FILE, "w", newline="", encoding="utf-8") as handle:
             writer = csv.DictWriter(handle, fieldnames=ANSWER_COLUMNS)
             writer.writeheader()
@@ -93,10 +98,7 @@ def restore(archive: Path, output_dir: Path) -> list[Path]:
         for path, lines in dumps.items():
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-        for pattern in RECORDS:
-            for record in sorted(kept.glob(pattern)):
-                if record.name != "done.json":
-                    shutil.copy2(record, run / record.name)
+        _copy_records(kept, run)
         shutil.copy2(kept / "done.json", run / "done.json")
         restored.append(run)
     return restored
