@@ -62,13 +62,16 @@ def _copy_records(source: Path, target: Path) -> None:
                 shutil.copy2(record, target / record.name)
 
 
+def _not_yet_at(source: Path, destination: Path) -> list[tuple[Path, Path]]:
+    """Each finished run under ``source`` with its folder under ``destination``, where it has not finished."""
+    pairs = [(run, destination / run.parent.name / run.name) for run in finished_runs(source)]
+    return [(run, there) for run, there in pairs if not (there / "done.json").exists()]
+
+
 def save(output_dir: Path, archive: Path) -> list[Path]:
     """Archive every finished run not archived yet; returns the new archive folders."""
     saved = []
-    for run in finished_runs(output_dir):
-        target = archive / run.parent.name / run.name
-        if (target / "done.json").exists():
-            continue
+    for run, target in _not_yet_at(output_dir, archive):
         target.mkdir(parents=True, exist_ok=True)
         _copy_records(run, target)
         with open(target / ANSWERS_FILE, "w", newline="", encoding="utf-8") as handle:
@@ -83,10 +86,7 @@ def save(output_dir: Path, archive: Path) -> list[Path]:
 def restore(archive: Path, output_dir: Path) -> list[Path]:
     """Put every archived run back under ``output_dir``; returns the restored run folders."""
     restored = []
-    for kept in finished_runs(archive):
-        run = output_dir / kept.parent.name / kept.name
-        if (run / "done.json").exists():
-            continue
+    for kept, run in _not_yet_at(archive, output_dir):
         if run.exists():
             shutil.rmtree(run)  # an unfinished attempt of a run that finished elsewhere
         run.mkdir(parents=True)
