@@ -48,8 +48,8 @@ class ScriptedModel:
                                stop_reason="stop", extra_fields={})
 
 
-def render(message):
-    assert message == "Subtract 2 from that."
+def render(reply):
+    assert reply == EnvironmentReply("Subtract 2 from that.")
     return list(REPLY)
 
 

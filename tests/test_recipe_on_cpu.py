@@ -132,6 +132,16 @@ def test_rollout_n_follows_the_tree_shape():
         (["algorithm.spo.tree.branch_at=turn", "algorithm.spo.turns.environment=arithmetic_dialogue", "algorithm.spo.turns.max_turns=2"],
          r"algorithm\.spo\.tree\.branching=\[6, 6, 6\] with branch_at=turn branches after 2 turns and plays at least one more: "
          r"raise algorithm\.spo\.turns\.max_turns \(2\)"),
+        # verl's tools as the environment: tools to load, a parser verl has for their format.
+        (["spo_algorithm=spo_chain", "algorithm.spo.chain.partition=turn", "algorithm.spo.turns.environment=verl_tools"],
+         r"algorithm\.spo\.turns\.environment=verl_tools needs tools: set actor_rollout_ref\.rollout\.multi_turn\.tool_config_path "
+         r"or function_tool_path"),
+        (["spo_algorithm=spo_chain", "algorithm.spo.chain.partition=turn", "algorithm.spo.turns.environment=verl_tools",
+          "actor_rollout_ref.rollout.multi_turn.function_tool_path=/nonexistent/tools.py", "actor_rollout_ref.rollout.multi_turn.format=hermez"],
+         r"actor_rollout_ref\.rollout\.multi_turn\.format=hermez is not one of verl's tool parsers: \[.*'hermes'"),
+        (["spo_algorithm=spo_chain", "algorithm.spo.chain.partition=turn", "algorithm.spo.turns.environment=verl_tools",
+          "actor_rollout_ref.rollout.multi_turn.function_tool_path=/nonexistent/tools.py"],
+         r"actor_rollout_ref\.rollout\.multi_turn tools cannot be loaded .*/nonexistent/tools\.py"),
         # verl's estimators on the episode loop need the environment too.
         (["spo_algorithm=grpo", "actor_rollout_ref.rollout.agent.default_agent_loop=spo_episode"],
          r"default_agent_loop=spo_episode\) need algorithm\.spo\.turns\.environment"),

@@ -15,17 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import inspect
 from typing import Any, ClassVar
 from uuid import uuid4
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, register
-from verl.trainer.ppo.reward import get_custom_reward_fn
 from verl.utils.profiler import simple_timer
-from verl.utils.reward_score import default_compute_score
 
 from spo_verl.adapters.agent_loops.episode_agent_loop import EpisodePlayer
 from spo_verl.adapters.agent_loops.sessions import Dialogue, PromptJobs, session_output
+from spo_verl.adapters.reward_function import RowScorer
 from spo_verl.core.algorithms.segments import cut_by_length_limit
 from spo_verl.core.config import parse_spo_settings
 from spo_verl.core.episodes.episode import ENDED_BY_ENVIRONMENT, turn_value
@@ -60,9 +58,9 @@ class SPOChainAgentLoop(AgentLoopBase):
                 f"algorithm.spo.chain.partition=cutpoint needs the sampling temperature's probabilities: set "
                 f"actor_rollout_ref.rollout.logprobs_mode={PROCESSED_LOGPROBS} (got {logprobs_mode})"
             )
-        self.score_fn = get_custom_reward_fn(self.config) or default_compute_score
+        self.score_text = RowScorer(self.config)
         if self.settings.partition == "turn":
-            self.player = EpisodePlayer(settings, self.tokenizer, self.response_length)
+            self.player = EpisodePlayer(self.config, self.tokenizer, kwargs.get("tools"))
 
     async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput:
         run = self._run_episode if self.settings.partition == "turn" else self._run
@@ -72,7 +70,7 @@ class SPOChainAgentLoop(AgentLoopBase):
     async def _run_episode(self, shared_values: BoundaryValueCache, sampling_params: dict[str, Any],
                            kwargs: dict[str, Any]) -> AgentLoopOutput:
         """A multi-turn episode against the environment, each of the model's turns a segment."""
-        prompt_ids = await self.ct_build_initial_tokens(list(kwargs["raw_prompt"]))
+        prompt_ids = await self.player.prompt_ids(self, kwargs["raw_prompt"])
         # The episode and all its continuations: one request id, one server, warm prefix cache.
         game = (self.server_manager.generate, uuid4().hex, prompt_ids, sampling_params)
         rules = (self.player.render, self.player.decode, self.player.rules)
@@ -125,7 +123,7 @@ class SPOChainAgentLoop(AgentLoopBase):
                 delimiter_token_ids=delimiters,
             )
             starts, capped = cap_boundaries(self.settings, found, self.response_length)
-            score = functools.partial(self._score, kwargs)
+            score = functools.partial(self._score_response, kwargs)
             estimates = [
                 shared_values.value(
                     token_ids[:start],
@@ -156,19 +154,6 @@ class SPOChainAgentLoop(AgentLoopBase):
         )
         return session_output(prompt_ids, token_ids, log_probs or None, spo, metrics, [output.extra_fields or {}])
 
-    async def _score(self, row: dict[str, Any], response_ids: list[int]) -> float:
-        """Score a whole response as verl's reward manager does: decoded without special tokens, with
-        the row's data_source, ground truth and extra_info."""
-        text = self.tokenizer.decode(response_ids, skip_special_tokens=True)
-        call = functools.partial(
-            self.score_fn,
-            data_source=row.get("data_source"),
-            solution_str=text,
-            ground_truth=(row.get("reward_model") or {}).get("ground_truth"),
-            extra_info=row.get("extra_info"),
-        )
-        if inspect.iscoroutinefunction(getattr(self.score_fn, "func", self.score_fn)):
-            result = await call()
-        else:
-            result = await asyncio.get_running_loop().run_in_executor(None, call)
-        return float(result["score"] if isinstance(result, dict) else result)
+    async def _score_response(self, row: dict[str, Any], response_ids: list[int]) -> float:
+        """A whole response decoded as verl's reward manager decodes it (without special tokens), scored."""
+        return await self.score_text(row, self.tokenizer.decode(response_ids, skip_special_tokens=True))

@@ -18,22 +18,25 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutp
 from verl.utils.profiler import simple_timer
 
 from spo_verl.adapters.agent_loops.sessions import Dialogue, session_output
-from spo_verl.core.config import SPOSettings, parse_spo_settings
-from spo_verl.core.episodes.environment import Environment, environment_factory
+from spo_verl.adapters.agent_loops.tool_environment import VERL_TOOLS, ToolEnvironment
+from spo_verl.adapters.reward_function import RowScorer
+from spo_verl.core.config import parse_spo_settings
+from spo_verl.core.episodes.environment import Environment, EnvironmentReply, environment_factory
 from spo_verl.core.episodes.episode import Episode, EpisodeRules, play
 
 EPISODE_AGENT_LOOP = "spo_episode"
 logger = logging.getLogger(__name__)
 
 
-def chat_reply_tokens(tokenizer, message: str) -> list[int]:
-    """The tokens that follow a model turn ended by its EOS when ``message`` is the next user turn: the
-    chat template's user turn and the assistant's header, as the template renders them after an
-    assistant turn (the same after any turn for chat templates such as ChatML, Llama 3's and Qwen's)."""
+def chat_reply_tokens(tokenizer, message: str, role: str = "user") -> list[int]:
+    """The tokens that follow a model turn ended by its EOS when ``message`` is the next turn of ``role``
+    (a user's, or a tool's result): the chat template's turn and the assistant's header, as the template
+    renders them after an assistant turn (the same after any turn for chat templates such as ChatML,
+    Llama 3's and Qwen's)."""
     marker = "\u2063spo-turn\u2063"
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": "."}, {"role": "assistant", "content": marker},
-         {"role": "user", "content": message}], add_generation_prompt=True, tokenize=False)
+         {"role": role, "content": message}], add_generation_prompt=True, tokenize=False)
     after_turn = text.split(marker, 1)[1]
     if tokenizer.eos_token not in after_turn:
         raise ValueError(f"the chat template does not end an assistant turn with the EOS token "
@@ -43,19 +46,31 @@ def chat_reply_tokens(tokenizer, message: str) -> list[int]:
 
 class EpisodePlayer:
     """Plays a prompt's episode in an agent loop: a fresh environment reset with the row, the rules of
-    ``algorithm.spo.turns``, replies rendered by the tokenizer's chat template."""
+    ``algorithm.spo.turns``, replies rendered by the tokenizer's chat template. ``tools``: what verl's
+    worker hands every agent loop (the tools of ``rollout.multi_turn``), for ``verl_tools``."""
 
-    def __init__(self, settings: SPOSettings, tokenizer, response_length: int):
+    def __init__(self, config: Any, tokenizer, tools: Any = None):
+        settings = parse_spo_settings(config.algorithm.get("spo", None))
+        rollout = config.actor_rollout_ref.rollout
         if settings.turns.environment is None:
             raise ValueError("multi-turn episodes need algorithm.spo.turns.environment: a registered environment "
-                             "(e.g. arithmetic_dialogue) or module:attribute")
-        self.environment_factory = environment_factory(settings.turns.environment)
-        self.rules = EpisodeRules(settings.turns.max_turns, response_length, {tokenizer.eos_token_id},
+                             "(e.g. arithmetic_dialogue), verl_tools or module:attribute")
+        self.prompt_tools = None  # the tool schemas the chat template shows the model, if any
+        if settings.turns.environment == VERL_TOOLS:
+            tool_environment = ToolEnvironment(tools.tools if tools else [], rollout.multi_turn, tokenizer,
+                                               RowScorer(config))
+            self.environment_factory, self.prompt_tools = tool_environment.fork, tool_environment.prompt_tools()
+        else:
+            self.environment_factory = environment_factory(settings.turns.environment)
+        self.rules = EpisodeRules(settings.turns.max_turns, rollout.response_length, {tokenizer.eos_token_id},
                                   settings.turns.max_turn_tokens)
         self.tokenizer = tokenizer
 
-    def render(self, message: str) -> list[int]:
-        return chat_reply_tokens(self.tokenizer, message)
+    async def prompt_ids(self, agent_loop: AgentLoopBase, raw_prompt: Any) -> list[int]:
+        return await agent_loop.ct_build_initial_tokens(list(raw_prompt), tools=self.prompt_tools)
+
+    def render(self, reply: EnvironmentReply) -> list[int]:
+        return chat_reply_tokens(self.tokenizer, reply.message, reply.role)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -83,11 +98,10 @@ def log_environment_error(row: dict[str, Any], error: str | None) -> None:
 class SPOEpisodeAgentLoop(AgentLoopBase):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        settings = parse_spo_settings(self.config.algorithm.get("spo", None))
-        self.player = EpisodePlayer(settings, self.tokenizer, self.rollout_config.response_length)
+        self.player = EpisodePlayer(self.config, self.tokenizer, kwargs.get("tools"))
 
     async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput:
-        prompt_ids = await self.ct_build_initial_tokens(list(kwargs["raw_prompt"]))
+        prompt_ids = await self.player.prompt_ids(self, kwargs["raw_prompt"])
         metrics: dict[str, float] = {}
         with simple_timer("generate_sequences", metrics):
             episode = await self.player.play((self.server_manager.generate, uuid4().hex, prompt_ids, sampling_params), kwargs)

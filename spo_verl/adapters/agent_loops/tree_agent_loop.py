@@ -87,8 +87,7 @@ class SPOTreeAgentLoop(AgentLoopBase):
             check_cutpoint_tree_fits(self.settings.cutpoint, self.rollout_config.n)
         elif self.settings.branch_at == "turn":  # a turn is as long as it is: no segment budgets
             check_tree_fits(self.settings.branching, (), self.response_length, self.rollout_config.n)
-            self.player = EpisodePlayer(parse_spo_settings(self.config.algorithm.get("spo", None)), self.tokenizer,
-                                        self.response_length)
+            self.player = EpisodePlayer(self.config, self.tokenizer, kwargs.get("tools"))
         else:
             check_tree_fits(self.settings.branching, tree_segment_budgets(self.settings), self.response_length,
                             self.rollout_config.n, self.settings.align_to_block)
@@ -109,7 +108,10 @@ class SPOTreeAgentLoop(AgentLoopBase):
         return self._leaf_output(tree, leaf, metrics, trains=False)
 
     async def _sample(self, sampling_params: dict[str, Any], kwargs: dict[str, Any]) -> tuple[SampledTree, dict]:
-        prompt_ids = await self.ct_build_initial_tokens(list(kwargs["raw_prompt"]))
+        if self.settings.branch_at == "turn":
+            prompt_ids = await self.player.prompt_ids(self, kwargs["raw_prompt"])
+        else:
+            prompt_ids = await self.ct_build_initial_tokens(list(kwargs["raw_prompt"]))
         metrics: dict[str, float] = {}
         request_id = uuid4().hex  # one id per tree: the whole subtree stays on one server's prefix cache
         eos_token_ids = {self.tokenizer.eos_token_id}

@@ -22,14 +22,17 @@ from typing import Any
 
 from omegaconf import OmegaConf
 from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
+from verl.experimental.agent_loop.tool_parser import ToolParser
+from verl.tools.tool_registry import load_all_tools
 from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, POLICY_LOSS_REGISTRY, AdvantageEstimator
 from verl.utils.import_utils import FILE_PATH_PREFIX, PKG_PATH_PREFIX, import_external_libs, resolve_config_path
 
 import spo_verl.register  # noqa: F401  (agent loops registered before they are looked up)
-from spo_verl.core.config import check_cutpoint_tree_fits, check_tree_fits, parse_spo_settings, tree_segment_budgets
-from spo_verl.core.episodes.environment import environment_factory
+from spo_verl.adapters.agent_loops.tool_environment import VERL_TOOLS
 from spo_verl.adapters.policy_loss import LOSS_NAME
 from spo_verl.adapters.trainer.common import SPO_AGENT_LOOPS, SPO_ESTIMATORS, TRAINER_MODE, plays_episodes
+from spo_verl.core.config import check_cutpoint_tree_fits, check_tree_fits, parse_spo_settings, tree_segment_budgets
+from spo_verl.core.episodes.environment import environment_factory
 
 logger = logging.getLogger(__name__)
 
@@ -77,21 +80,25 @@ def validate_spo_run(config: Any) -> None:
         warn_if_segments_split_blocks(settings.tree, rollout, config.trainer.get("device", "cuda"))
 
     if plays_episodes(config):
-        check_episodes(settings.turns, rollout.response_length, config.actor_rollout_ref.model.path)
+        check_episodes(settings.turns, rollout, config.actor_rollout_ref.model.path)
 
     if settings.packed_training:
         check_packed_training(config)
     check_rollout_log_probs_as_old(config)
 
 
-def check_episodes(turns: Any, response_length: int, model_path: str) -> None:
+def check_episodes(turns: Any, rollout: Any, model_path: str) -> None:
     """Multi-turn episodes: the environment can be made, a turn leaves room for a reply, and the model's
     chat template renders a reply after a turn (where its tokenizer can be loaded here)."""
     if turns.environment is None:
         raise ValueError("multi-turn episodes (algorithm.spo.chain.partition=turn, or actor_rollout_ref.rollout.agent."
                          "default_agent_loop=spo_episode) need algorithm.spo.turns.environment: a registered environment "
-                         "(e.g. arithmetic_dialogue) or module:attribute")
-    environment_factory(turns.environment)
+                         f"(e.g. arithmetic_dialogue), {VERL_TOOLS} or module:attribute")
+    if turns.environment == VERL_TOOLS:
+        check_tools(rollout.multi_turn)
+    else:
+        environment_factory(turns.environment)
+    response_length = rollout.response_length
     if turns.max_turn_tokens is not None and turns.max_turn_tokens >= response_length:
         raise ValueError(
             f"algorithm.spo.turns.max_turn_tokens={turns.max_turn_tokens} leaves no room in "
@@ -107,6 +114,22 @@ def check_episodes(turns: Any, response_length: int, model_path: str) -> None:
     except OSError:  # a hub model on a machine without its files: the first episode checks it
         return
     chat_reply_tokens(tokenizer, "")
+
+
+def check_tools(multi_turn: Any) -> None:
+    """``verl_tools``: the tools load as verl's worker loads them, and verl has a parser for their format."""
+    paths = {key: multi_turn.get(key, None) for key in ("tool_config_path", "function_tool_path")}
+    if not any(paths.values()):
+        raise ValueError(f"algorithm.spo.turns.environment={VERL_TOOLS} needs tools: set "
+                         f"actor_rollout_ref.rollout.multi_turn.tool_config_path or function_tool_path")
+    if multi_turn.format not in ToolParser._registry:
+        raise ValueError(f"actor_rollout_ref.rollout.multi_turn.format={multi_turn.format} is not one of verl's tool "
+                         f"parsers: {sorted(ToolParser._registry)}")
+    try:
+        load_all_tools(**{key: resolve_config_path(path) if path else None for key, path in paths.items()})
+    except Exception as error:
+        raise ValueError(f"actor_rollout_ref.rollout.multi_turn tools cannot be loaded ({paths}): "
+                         f"{type(error).__name__}: {error}") from error
 
 
 def check_registered_names(config: Any) -> None:

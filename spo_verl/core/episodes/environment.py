@@ -27,6 +27,7 @@ class EnvironmentReply:
     message: str = ""  # the environment's next turn, shown to the model ("" when done)
     done: bool = False
     reward: float | None = None  # the episode's reward, given with done
+    role: str = "user"  # the chat template's role for the message: "user", or "tool" for a tool's result
 
 
 class Environment(Protocol):

@@ -1,10 +1,11 @@
 """Episodes played turn by turn over verl's ``generate`` interface.
 
 The model's turn is sampled to its end-of-turn token (EOS), to ``max_turn_tokens`` or to what is left
-of the response length; the environment answers it; its message, rendered as the tokens that follow the
-model's turn (the chat template's user turn and the assistant's header: ``render``), is appended (after
-an EOS of its own where the turn was cut short), and the next turn is sampled after it. The response verl trains on is every turn and every reply in order; the replies are masked
-out of the loss (``response_mask`` 0) and carry no log-probs.
+of the response length; the environment answers it; its reply, rendered as the tokens that follow the
+model's turn (the chat template's turn of the reply's role, user or tool, and the assistant's header:
+``render``), is appended (after an EOS of its own where the turn was cut short), and the next turn is
+sampled after it. The response verl trains on is every turn and every reply in order; the replies are
+masked out of the loss (``response_mask`` 0) and carry no log-probs.
 
 A turn boundary is the start of a model turn: the prompt before the first, the dialogue after each
 reply before the others. Its value is the mean reward of ``samples`` continuations of the episode from
@@ -21,12 +22,12 @@ import asyncio
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
-from spo_verl.core.episodes.environment import Environment
+from spo_verl.core.episodes.environment import Environment, EnvironmentReply
 from spo_verl.core.rollout.chain import BoundaryValue
 from spo_verl.core.rollout.server_output import generate_segment
 
 Generate = Callable[..., Awaitable[object]]
-Render = Callable[[str], list[int]]  # an environment message as the tokens that follow the model's turn
+Render = Callable[[EnvironmentReply], list[int]]  # the environment's reply as the tokens that follow the model's turn
 Decode = Callable[[list[int]], str]  # a model turn as the text the environment reads
 
 ENDED_BY_ENVIRONMENT, TURN_LIMIT, LENGTH_LIMIT, ENVIRONMENT_ERROR = "environment", "turns", "length", "error"
@@ -117,7 +118,7 @@ async def play(generate: Generate, request_id: str, prompt_ids: list[int], sampl
         if reply.done:
             episode.ended_by, episode.reward = ENDED_BY_ENVIRONMENT, float(reply.reward or 0.0)
             return episode
-        reply_ids = ([] if ended_turn else [min(rules.eos_token_ids)]) + list(render(reply.message))
+        reply_ids = ([] if ended_turn else [min(rules.eos_token_ids)]) + list(render(reply))
         if len(episode.response_ids) + len(reply_ids) >= rules.response_length:  # no room for the next turn
             episode.ended_by = LENGTH_LIMIT
             return episode

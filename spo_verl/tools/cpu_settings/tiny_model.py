@@ -21,6 +21,7 @@ import contextlib
 import math
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 # ----------------------------------------------------------------------------------------------
@@ -79,12 +80,12 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_tokenizer(directory: str | os.PathLike):
+def build_tiny_tokenizer(directory: str | os.PathLike, characters: Sequence[str] = CHARACTERS):
     """Build a deterministic character-level tokenizer, save it to ``directory`` and return it.
 
-    Vocabulary (87 tokens, ids in this order): ``<pad>`` (0), ``<unk>`` (1), ``<|im_start|>`` (2),
-    ``<|im_end|>`` (3), ``<eos>`` (4), then the digits, ``a``-``z``, ``A``-``Z``, space, newline and
-    ``+-*/=().,:;?!'_<>#``. Special tokens are matched as whole strings.
+    Vocabulary (87 tokens by default, ids in this order): ``<pad>`` (0), ``<unk>`` (1), ``<|im_start|>``
+    (2), ``<|im_end|>`` (3), ``<eos>`` (4), then ``characters``, by default the digits, ``a``-``z``,
+    ``A``-``Z``, space, newline and ``+-*/=().,:;?!'_<>#``. Special tokens are matched as whole strings.
 
     It is a byte-level BPE *without merges* (every character is one token), i.e. the same pipeline
     as Qwen2's tokenizer: transformers 5 always loads a ``model_type == "qwen2"`` checkpoint with
@@ -103,10 +104,10 @@ def build_tiny_tokenizer(directory: str | os.PathLike):
 
     byte_char = _bytes_to_unicode()
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    for ch in CHARACTERS:
+    for ch in characters:
         (b,) = ch.encode("utf-8")
         vocab[byte_char[b]] = len(vocab)
-    assert len(vocab) == len(SPECIAL_TOKENS) + len(CHARACTERS) <= 128
+    assert len(vocab) == len(SPECIAL_TOKENS) + len(characters) <= 128
     bpe = models.BPE(
         vocab=vocab,
         merges=[],

@@ -112,7 +112,7 @@ def play_dialogues(llm, tokenizer, task: str, rows: list[dict], temperature: flo
     spec = cpu_smollm2.DIALOGUE_TASKS[task]
     rules = EpisodeRules(spec.operations, spec.response_tokens, {tokenizer.eos_token_id}, spec.max_turn_tokens)
     make = environment_factory("arithmetic_dialogue")
-    render = lambda message: chat_reply_tokens(tokenizer, message)  # noqa: E731
+    render = lambda reply: chat_reply_tokens(tokenizer, reply.message, reply.role)  # noqa: E731
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     generate = _BatchedGenerate(llm, tokenizer.eos_token_id)
 

@@ -14,7 +14,8 @@ import torch
 import verl
 from hydra import compose, initialize_config_dir
 from tensordict import TensorDict
-from verl.experimental.agent_loop.agent_loop import DictConfigWrap
+from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap
+from verl.tools.tool_registry import load_all_tools
 from verl.utils import tensordict_utils as tu
 from verl.utils.dataset.rl_dataset import RLHFDataset
 from verl.workers.utils.padding import left_right_2_no_padding
@@ -30,6 +31,10 @@ def compose_ppo_trainer(*overrides: str):
 
 
 def make_agent_loop(loop_class, config, server, tokenizer):
+    """An agent-loop object as verl's worker makes one, with the tools of ``rollout.multi_turn``."""
+    multi_turn = config.actor_rollout_ref.rollout.multi_turn
+    tools = load_all_tools(tool_config_path=multi_turn.get("tool_config_path"),
+                           function_tool_path=multi_turn.get("function_tool_path"))
     return loop_class(
         trainer_config=DictConfigWrap(config),
         server_manager=server,
@@ -37,6 +42,7 @@ def make_agent_loop(loop_class, config, server, tokenizer):
         processor=None,
         dataset_cls=RLHFDataset,
         data_config=DictConfigWrap(config.data),
+        tools=ToolListWrap(tools),
     )
 
 
