@@ -19,6 +19,7 @@ turns, so a fork (a Monte Carlo continuation, a tree's branch) shares the tools.
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -57,9 +58,7 @@ class ToolEnvironment:
         self.row = dict(data)
 
     def fork(self) -> "ToolEnvironment":
-        forked = object.__new__(ToolEnvironment)
-        forked.__dict__.update(self.__dict__)
-        return forked
+        return copy.copy(self)  # shares the tools and the parser; reset() gives a fork its own row
 
     async def step(self, turn: str) -> EnvironmentReply:
         turn_ids = self.tokenizer.encode(turn, add_special_tokens=False)
