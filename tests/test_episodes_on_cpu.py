@@ -236,3 +236,20 @@ def test_a_tree_over_turns_stops_where_the_episode_ends_and_refuses_more_depths_
         (0.0, ENVIRONMENT_ERROR, "RuntimeError: sandbox gone")] * 4
     with pytest.raises(ValueError, match=r"a tree of depth 5 branches after more turns than an episode has \(4\)"):
         asyncio.run(sample_turn_tree(ScriptedModel(), "t", PROMPT, {}, environment(), render, decode, RULES, [2] * 5))
+
+
+def test_dialogues_that_show_their_work_ask_for_it_and_still_end_on_the_answer():
+    """``show_work`` (cpu-smollm2's dialogue2): the worked dialogues answer with the sum ("7 - 2 = 5"), the
+    opening does not ask for the number alone, and such an answer ends the episode with its result read."""
+    from spo_verl.tools.cpu_settings.dialogue import INSTRUCTION, row
+
+    r = row(20, ["+4", "-6"], 18, "test", 0, examples=[(3, ["+4", "-2"])], show_work=True)
+    assert r["prompt"] == [
+        {"role": "user", "content": "Start with 3. Add 4 to that."}, {"role": "assistant", "content": "3 + 4 = 7"},
+        {"role": "user", "content": "Subtract 2 from that."}, {"role": "assistant", "content": "7 - 2 = 5"},
+        {"role": "user", "content": "Start with 20. Add 4 to that."}]
+    assert INSTRUCTION not in str(r["prompt"])
+    env = ArithmeticDialogue()
+    env.reset(r)
+    assert asyncio.run(env.step("20 + 4 = 24")) == EnvironmentReply("Subtract 6 from that.")
+    assert asyncio.run(env.step("24 - 6 = 18")) == EnvironmentReply(done=True, reward=1.0)

@@ -42,16 +42,25 @@ def draw(rng: random.Random, operations: int) -> tuple[int, list[str], int]:
     return start, worked, value
 
 
-def opening(start: int, operation: str) -> str:
-    return f"Start with {start}. {operation_message(operation[0], int(operation[1:]))} {INSTRUCTION}"
+def opening(start: int, operation: str, show_work: bool = False) -> str:
+    """The prompt's turn; it asks for the number alone unless the worked dialogues show their sums."""
+    words = f"Start with {start}. {operation_message(operation[0], int(operation[1:]))}"
+    return words if show_work else f"{words} {INSTRUCTION}"
 
 
-def example_turns(start: int, operations: Sequence[str]) -> list[dict]:
-    """A worked dialogue as chat turns: the opening, then each result and the next operation."""
-    turns, value = [{"role": "user", "content": opening(start, operations[0])}], start
+def worked_answer(value: int, operation: str, show_work: bool) -> str:
+    """A turn's answer to ``operation`` on ``value``: the result, or with ``show_work`` the sum that gives
+    it ("16 - 9 = 7"; the environment reads the last number)."""
+    result = value + int(operation)
+    return f"{value} {operation[0]} {operation[1:]} = {result}" if show_work else str(result)
+
+
+def example_turns(start: int, operations: Sequence[str], show_work: bool = False) -> list[dict]:
+    """A worked dialogue as chat turns: the opening, then each answer and the next operation."""
+    turns, value = [{"role": "user", "content": opening(start, operations[0], show_work)}], start
     for k, operation in enumerate(operations):
+        turns.append({"role": "assistant", "content": worked_answer(value, operation, show_work)})
         value += int(operation)
-        turns.append({"role": "assistant", "content": str(value)})
         if k + 1 < len(operations):
             following = operations[k + 1]
             turns.append({"role": "user", "content": operation_message(following[0], int(following[1:]))})
@@ -59,11 +68,11 @@ def example_turns(start: int, operations: Sequence[str]) -> list[dict]:
 
 
 def row(start: int, operations: Sequence[str], answer: int, split: str, index: int,
-        examples: Sequence[tuple[int, Sequence[str]]] = ()) -> dict:
-    prompt = [turn for example in examples for turn in example_turns(*example)]
+        examples: Sequence[tuple[int, Sequence[str]]] = (), show_work: bool = False) -> dict:
+    prompt = [turn for example in examples for turn in example_turns(*example, show_work)]
     return {
         "data_source": DATA_SOURCE,
-        "prompt": [*prompt, {"role": "user", "content": opening(start, operations[0])}],
+        "prompt": [*prompt, {"role": "user", "content": opening(start, operations[0], show_work)}],
         "ability": "arithmetic",
         "reward_model": {"style": "rule", "ground_truth": str(answer)},
         "extra_info": {"split": split, "index": index, "start": start, "operations": list(operations), "answer": answer},

@@ -18,9 +18,9 @@ arithmetic word problems, built locally into a cache folder (nothing from the mo
   ("Sam has a apples, gets b more, gives away c") 5 %; one-step sums with two examples 75 %. So
   samples of one problem disagree often: GRPO's and SPO's advantages are rarely all zero.
 
-``dialogue3`` is multi-turn (:class:`DialogueTask`): arithmetic dialogues of three operations against the
-``arithmetic_dialogue`` environment; its paths come with the environment and the turn limits, which the
-launcher turns into each algorithm's settings.
+``dialogue3`` and ``dialogue2`` are multi-turn (:class:`DialogueTask`): arithmetic dialogues of three
+(two, each answer showing its sum) operations against the ``arithmetic_dialogue`` environment; their paths
+come with the environment and the turn limits, which the launcher turns into each algorithm's settings.
 
     python -m spo_verl.tools.cpu_settings.smollm2 --output-dir ~/.cache/spo-verl/cpu-smollm2 [--task add_add]   # prints the paths
 """
@@ -154,6 +154,7 @@ class DialogueTask:
     max_turn_tokens: int  # an answer is a number and its end of turn; a turn this long is cut
     prompt_tokens: int
     response_tokens: int  # every turn and the environment's replies between them
+    show_work: bool = False  # the worked dialogues answer "16 - 9 = 7", not "7"
 
     def limits(self) -> dict[str, str]:
         return {"max_prompt_length": str(self.prompt_tokens), "max_response_length": str(self.response_tokens),
@@ -166,6 +167,10 @@ class DialogueTask:
 DIALOGUE_TASKS = {
     "dialogue3": DialogueTask(3, ((3, ("+4", "-2", "+6")), (12, ("+5", "-6", "+3"))), max_turn_tokens=16,
                               prompt_tokens=256, response_tokens=96),
+    # Two operations, the worked dialogues showing each sum: the base model gets a turn right far more often
+    # when it writes the sum before the result ("16 - 9 = 7") than when it answers with the number alone.
+    "dialogue2": DialogueTask(2, ((3, ("+4", "-2")), (12, ("+5", "-6"))), max_turn_tokens=24,
+                              prompt_tokens=256, response_tokens=96, show_work=True),
 }
 ALL_TASKS = (*TASKS, *DIALOGUE_TASKS)
 
@@ -233,7 +238,7 @@ def write_dialogue_data(directory: Path, task: str) -> tuple[Path, Path]:
     train, held_out, tune = dialogues(spec.operations, (TRAIN_PROBLEMS, STUDY_HELD_OUT_PROBLEMS, TUNE_PROBLEMS), SEED)
 
     def rows(group, split):
-        return [dialogue_row(*d, split, i, spec.examples) for i, d in enumerate(group)]
+        return [dialogue_row(*d, split, i, spec.examples, spec.show_work) for i, d in enumerate(group)]
 
     train_path, val_path = directory / "train.parquet", directory / "val.parquet"
     write_rows(rows(train, "train"), train_path)

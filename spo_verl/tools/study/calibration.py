@@ -155,7 +155,7 @@ def measure_dialogues(tasks: list[str], count: int, samples: int, cache: Path) -
         spec = cpu_smollm2.DIALOGUE_TASKS[task]
         counts = (cpu_smollm2.TRAIN_PROBLEMS, cpu_smollm2.STUDY_HELD_OUT_PROBLEMS, cpu_smollm2.TUNE_PROBLEMS)
         held_out = dialogues(spec.operations, counts, cpu_smollm2.SEED)[1][:count]
-        rows = [row(*d, "test", i, spec.examples) for i, d in enumerate(held_out)]
+        rows = [row(*d, "test", i, spec.examples, spec.show_work) for i, d in enumerate(held_out)]
         greedy = [r[0] for r in play_dialogues(llm, tokenizer, task, rows, 0.0, 1)]
         per_problem = play_dialogues(llm, tokenizer, task, rows, 1.0, samples)
         flat = [s for r in per_problem for s in r]
