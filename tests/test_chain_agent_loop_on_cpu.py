@@ -220,6 +220,10 @@ async def test_the_episode_loop_plays_the_same_dialogue_without_values(tiny_mode
         assert "spo" not in out.extra_fields and out.num_turns == 4
         assert out.extra_fields["reward_extra_info"] == {"acc": out.reward_score}  # as verl's reward manager records it
         assert out.reward_score == dialogue_reward(out, second, tokenizer, answer=6)
+        # What the spo/turns/* metrics read, for verl's estimators as for SPO's.
+        cut = out.response_ids[-1] != tokenizer.eos_token_id and len(out.response_ids) == RESPONSE_LENGTH
+        assert out.extra_fields["spo_turns"] == {"turns": 2, "reply_tokens": second - first,
+                                                 "ended_by": "length" if cut else "environment", "environment_error": None}
     assert len(calls) == 2 * len(outputs)  # two turns an episode, no continuations
 
 

@@ -115,6 +115,10 @@ TURN_CASES = [
     TrainerCase("legacy-spo_tree-turns", "run_spo_tree.sh", "spo_tree",
                 (*LEGACY, *CHECK, "algorithm.spo.tree.branch_at=turn", f"data.train_batch_size={TURN_TREES}"),
                 BUDGET_STOP, resumed=True, dialogues=True),
+    # verl's own GRPO estimator and loss on the same episodes, played by the spo_episode agent loop (one
+    # episode a session, no values), packed, its first update checked per row: the multi-turn study's baseline.
+    TrainerCase("v1-grpo-turns", "run_grpo.sh", "grpo",
+                ("actor_rollout_ref.rollout.agent.default_agent_loop=spo_episode", *CHECK), dialogues=True),
 ]
 
 
@@ -540,9 +544,10 @@ def test_over_turns_each_turn_is_a_segment_and_the_environments_tokens_are_out_o
     """Multi-turn episodes through verl's trainers: every episode plays its two turns and the
     environment ends it; in the rows verl trained (the sample log), each turn is a segment whose model
     tokens carry V(after) - V(before) where the row trains it (nothing where another row of the tree
-    does), and the environment's reply after the model's end of turn is out of the mask with advantage 0.
-    Then the case's own: the weights moved and were checkpointed at step 2 (and resumed for step 3), the
-    first update checked per row, bfloat16's bounds."""
+    does), or under verl's GRPO the episode's one advantage, and the environment's reply after the
+    model's end of turn is out of the mask with advantage 0. Then the case's own: the weights moved and
+    were checkpointed at step 2 (and resumed for step 3), the first update checked per row, bfloat16's
+    bounds."""
     from transformers import AutoTokenizer
 
     result: Case = runs[case.id]
@@ -555,7 +560,10 @@ def test_over_turns_each_turn_is_a_segment_and_the_environments_tokens_are_out_o
         _assert_actor_updated_or_had_nothing_to_train(step, data)
         assert data["spo/turns/turns_per_episode"] == 2 and data["spo/turns/ended_by_environment_fraction"] == 1, step
         assert data["spo/turns/reply_tokens_per_episode"] > 0 and data["spo/turns/environment_errors"] == 0, step
-        assert 0 <= data["spo/turns/value_before_turn1"] <= 1 and 0 <= data["spo/turns/value_before_turn2"] <= 1, step
+        if expect.algorithm.startswith("spo_"):
+            assert 0 <= data["spo/turns/value_before_turn1"] <= 1 and 0 <= data["spo/turns/value_before_turn2"] <= 1, step
+        else:  # no values without SPO: the episode's reward is GRPO's score
+            assert not any(key.startswith("spo/turns/value_") for key in data), step
         gap = _sync_gap(data)
         assert gap is None or gap < (BF16_BOUND if expect.bf16 else SYNC_BOUND), (step, gap)
         if expect.algorithm == "spo_tree":  # 3 first turns, each continued by 3 second turns
@@ -576,8 +584,20 @@ def test_over_turns_each_turn_is_a_segment_and_the_environments_tokens_are_out_o
     checked = 0
     for response in (r for record in records for r in record["responses"]):
         segments = response["segments"]
-        assert len(segments) == 2 and segments[0]["start"] == 0 and segments[-1]["end"] == len(response["tokens"])
         assert response["episode"]["turns"] == 2 and response["episode"]["ended_by"] == "environment"
+        if not expect.algorithm.startswith("spo_"):
+            # GRPO: the whole episode one segment, every token the model sampled its one advantage, the
+            # environment's tokens (exactly those the log marks) none and out of the loss.
+            assert len(segments) == 1 and segments[0]["start"] == 0 and segments[0]["end"] == len(response["tokens"])
+            environment = [i for i, flag in enumerate(response["environment"]) if flag]
+            model = [i for i, flag in enumerate(response["environment"]) if not flag]
+            assert len(environment) == response["episode"]["reply_tokens"] > 0
+            assert all(response["advantages"][i] == 0 and response["trained"][i] == 0 for i in environment)
+            assert [response["advantages"][i] for i in model] == pytest.approx([segments[0]["advantage"]] * len(model), abs=1e-5)
+            assert all(response["trained"][i] == 1 for i in model)
+            checked += 1
+            continue
+        assert len(segments) == 2 and segments[0]["start"] == 0 and segments[-1]["end"] == len(response["tokens"])
         replies = []
         for k, segment in enumerate(segments):
             tokens = range(segment["start"], segment["end"])

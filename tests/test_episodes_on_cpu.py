@@ -150,17 +150,26 @@ def test_a_turn_cut_by_max_turn_tokens_goes_to_the_environment_and_the_reply_clo
 
 
 def test_per_turn_metrics_of_a_batch_of_episodes():
-    from spo_verl.adapters.trainer.common import episode_metrics
-    from spo_verl.core.metadata import ChainRow, EpisodeStatistics, from_extra_field, to_extra_field
+    """``spo/turns/*`` from each row's episode as the agent loops hand it on (any algorithm's; a copy
+    that trains nothing has none), with SPO-chain's values before each turn where a row has them."""
+    from spo_verl.adapters.trainer.common import episodes_from_extra_fields, turn_metrics
+    from spo_verl.adapters.agent_loops.sessions import Dialogue, session_output
+    from spo_verl.core.metadata import ChainRow, EpisodeStatistics
 
-    rows = [ChainRow([0, 5], [0.5, 0.0], episode=EpisodeStatistics(2, 3, "environment")),
-            ChainRow([0], [0.25], truncated=True, episode=EpisodeStatistics(1, 0, "error", "ConnectionError: down"))]
-    assert [from_extra_field(to_extra_field(row)) for row in rows] == rows  # as the agent loop hands them on
-    assert episode_metrics(rows) == {
-        "spo/turns/turns_per_episode": 1.5, "spo/turns/reply_tokens_per_episode": 1.5,
-        "spo/turns/ended_by_environment_fraction": 0.5, "spo/turns/environment_errors": 1.0,
-        "spo/turns/value_before_turn1": 0.375, "spo/turns/value_before_turn2": 0.0,
-    }
+    played = [EpisodeStatistics(2, 3, "environment"), EpisodeStatistics(1, 0, "error", "ConnectionError: down")]
+    outputs = [session_output([0], [1, 2, 9, 9, 9, 3], None, None, {}, [], dialogue=Dialogue([1, 1, 0, 0, 0, 1], 4, 1.0, played[0])),
+               session_output([0], [1], None, None, {}, [], dialogue=Dialogue([1], 2, 0.0, played[1])),
+               session_output([0], [1], None, None, {}, [], trains=False, dialogue=Dialogue([1], 2, 0.0, played[1])),
+               session_output([0], [1], None, None, {}, [])]  # no episode
+    episodes = episodes_from_extra_fields([out.extra_fields for out in outputs])
+    assert episodes == [*played, None, None]
+    counts = {"spo/turns/turns_per_episode": 1.5, "spo/turns/reply_tokens_per_episode": 1.5,
+              "spo/turns/ended_by_environment_fraction": 0.5, "spo/turns/environment_errors": 1.0}
+    assert turn_metrics(episodes) == counts  # verl's own estimators on spo_episode
+    chains = [ChainRow([0, 5], [0.5, 0.0]), ChainRow([0], [0.25], truncated=True), ChainRow([0], [1.0]), None]
+    assert turn_metrics(episodes, chains) == {**counts, "spo/turns/value_before_turn1": 0.375,
+                                              "spo/turns/value_before_turn2": 0.0}
+    assert turn_metrics([None, None]) == {}
 
 
 def test_the_dialogue_data_plays_to_its_answer_against_the_environment(tmp_path):

@@ -49,12 +49,12 @@ def tree_batch():
     return rewards, response_mask
 
 
-def sampled(b, row, length, advantages, trained, score, log_probs=None, response_mask=None):
+def sampled(b, row, length, advantages, trained, score, log_probs=None, response_mask=None, episode=None):
     return SampledResponse(
         batch_index=b, uid="u", row=row, prompt_ids=[0, 1], response_ids=list(range(10 + b, 10 + b + length)),
         log_probs=torch.full((length,), math.log(0.5)) if log_probs is None else log_probs,
         response_mask=torch.ones(length) if response_mask is None else response_mask,
-        advantages=advantages[:length], trained=trained[:length], score=score,
+        advantages=advantages[:length], trained=trained[:length], score=score, episode=episode,
     )
 
 
@@ -184,14 +184,14 @@ def test_an_episode_logs_which_tokens_are_the_environments_and_how_it_ended():
     """SPO-chain over turns: turn 1 (tokens 0-2), the environment's reply (3-4, out of verl's
     response_mask), turn 2 (5-6); V before the turns 0.25 and 0.5, R = 1."""
     episode = {"turns": 2, "reply_tokens": 2, "ended_by": "environment", "environment_error": None}
-    row = {"segment_starts": [0, 5], "boundary_values": [0.25, 0.5], "truncated": False, "episode": episode}
+    row = {"segment_starts": [0, 5], "boundary_values": [0.25, 0.5], "truncated": False}
     response_mask = torch.tensor([[1, 1, 1, 0, 0, 1, 1]], dtype=torch.float32)
     rewards = torch.zeros(1, 7)
     rewards[0, -1] = 1.0
     config = algorithm("spo_chain", chain={"partition": "turn"}, turns={"environment": "arithmetic_dialogue"})
     with provide_spo_rows([row]):
         advantages, _ = compute_spo_chain_advantage(rewards, response_mask, index=np.array(["e"]), config=config)
-    response = sampled(0, row, 7, advantages[0], response_mask[0].bool(), 1.0, response_mask=response_mask[0])
+    response = sampled(0, row, 7, advantages[0], response_mask[0].bool(), 1.0, response_mask=response_mask[0], episode=episode)
     logged = step_record(1, config, "spo_prob_mask", [response], CharTokenizer())["responses"][0]
     assert logged["environment"] == [0, 0, 0, 1, 1, 0, 0]
     assert logged["episode"] == episode

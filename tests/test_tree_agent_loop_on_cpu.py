@@ -13,7 +13,7 @@ from verl.trainer.ppo.ray_trainer import compute_advantage
 
 import spo_verl.register  # noqa: F401
 from spo_verl.adapters.agent_loops.tree_agent_loop import SPOTreeAgentLoop
-from spo_verl.adapters.trainer.common import batch_metrics
+from spo_verl.adapters.trainer.common import batch_metrics, episodes_from_extra_fields
 from spo_verl.core.algorithms import tree_advantages, tree_values
 from spo_verl.core.batch_context import provide_spo_rows
 from spo_verl.core.rollout.tree import block_aligned_budget, sample_tree
@@ -323,7 +323,7 @@ async def test_a_tree_over_turns_on_verls_server_and_through_verls_advantage_ste
         numbers = re.findall(r"-?\d+", tokenizer.decode(out.response_ids[first_end:], skip_special_tokens=True))
         assert out.reward_score == (0.0 if cut else float(bool(numbers) and int(numbers[-1]) == 6))
         assert row["truncated"] == cut and out.num_turns == 4
-        assert row["episode"] == {"turns": 2, "reply_tokens": first_end - turn, "ended_by": "length" if cut else "environment",
+        assert out.extra_fields["spo_turns"] == {"turns": 2, "reply_tokens": first_end - turn, "ended_by": "length" if cut else "environment",
                                   "environment_error": None}
     assert len(first_turns) == 2
     data = DataProto.from_dict(
@@ -346,7 +346,8 @@ async def test_a_tree_over_turns_on_verls_server_and_through_verls_advantage_ste
             assert advantages[i, :turn].tolist() == pytest.approx([first - root] * turn, abs=1e-6)
         assert advantages[i, first_end:end].tolist() == pytest.approx([rewards[i] - first] * (end - first_end), abs=1e-6)
     # The values before each turn: the root's before the first, the first turns' mean before the second.
-    metrics = batch_metrics(context, data.batch["response_mask"])
+    metrics = batch_metrics(context, data.batch["response_mask"], episodes_from_extra_fields([o.extra_fields for o in outputs]))
+    assert metrics["spo/turns/turns_per_episode"] == 2
     assert metrics["spo/turns/value_before_turn1"] == pytest.approx(root)
     assert metrics["spo/turns/value_before_turn2"] == pytest.approx(sum(sum(v) / 2 for v in by_first.values()) / 2)
     assert "spo/turns/value_before_turn3" not in metrics  # the leaves' values are their rewards

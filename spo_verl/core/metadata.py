@@ -18,6 +18,11 @@ classes below with ``from_extra_field``, which names the missing setting when a 
 
 ``truncated``: the response was cut by the length limit (``algorithm.spo.truncated_response_score``
 says how the estimators score it).
+
+A multi-turn episode, whatever loop played it (SPO's over turns, or ``spo_episode`` for verl's own
+estimators), carries its ``EpisodeStatistics`` in ``extra_fields[EPISODE_FIELD]``
+(``episode_to_extra_field``), beside any SPO metadata: the ``spo/turns/*`` metrics read it for every
+algorithm.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from typing import Any
 
 # Key of the SPO metadata in AgentLoopOutput.extra_fields (and so a non_tensor_batch column).
 SPO_FIELD = "spo"
+# Key of a multi-turn episode's statistics in AgentLoopOutput.extra_fields.
+EPISODE_FIELD = "spo_turns"
 # The SPO algorithms: each is the name of an advantage estimator and of the agent loop that samples for it.
 SPO_ALGORITHMS = ("spo_chain", "spo_tree")
 
@@ -84,7 +91,6 @@ class TreeLeafRow:
     trains: bool = True
     truncated: bool = False
     tree: TreeStatistics | None = None
-    episode: EpisodeStatistics | None = None  # a tree over turns: the leaf's episode
 
 
 @dataclass(frozen=True)
@@ -93,7 +99,6 @@ class ChainRow:
     boundary_values: list[float]
     truncated: bool = False
     chain: ChainStatistics | None = None
-    episode: EpisodeStatistics | None = None  # a multi-turn episode: its segments are the model's turns
 
 
 SPORow = TreeLeafRow | ChainRow
@@ -138,9 +143,17 @@ def from_extra_field(value: Any) -> SPORow | None:
         row["tree"] = _statistics(CutpointTreeStatistics if "forks" in row["tree"] else TreeStatistics, row["tree"])
     if row.get("chain") is not None:
         row["chain"] = _statistics(ChainStatistics, row["chain"])
-    if row.get("episode") is not None:
-        row["episode"] = _statistics(EpisodeStatistics, row["episode"])
     return cls(**row)
+
+
+def episode_to_extra_field(statistics: EpisodeStatistics) -> dict[str, Any]:
+    return asdict(statistics)
+
+
+def episode_from_extra_field(value: Any) -> EpisodeStatistics | None:
+    """An episode's statistics as an agent loop wrote them, or None for a row that is no episode (or a
+    copy that trains nothing)."""
+    return None if value is None else _statistics(EpisodeStatistics, value)
 
 
 def _statistics(cls: type, value: Any):

@@ -27,7 +27,7 @@ from spo_verl.adapters.reward_function import RowScorer
 from spo_verl.core.algorithms.segments import cut_by_length_limit
 from spo_verl.core.config import parse_spo_settings
 from spo_verl.core.episodes.episode import ENDED_BY_ENVIRONMENT, turn_value
-from spo_verl.core.metadata import ChainRow, ChainStatistics, EpisodeStatistics
+from spo_verl.core.metadata import ChainRow, ChainStatistics
 from spo_verl.core.rollout.chain import BoundaryValueCache, cap_boundaries, monte_carlo_value, segment_starts
 from spo_verl.core.rollout.server_output import check_not_aborted
 
@@ -97,8 +97,6 @@ class SPOChainAgentLoop(AgentLoopBase):
                 mc_truncated=sum(v.truncated for v in started_here),
                 cutpoint_requests=0, no_cutpoint=False, capped=False,
             ),
-            episode=EpisodeStatistics(len(episode.turns), len(episode.response_ids) - episode.model_tokens,
-                                      episode.ended_by, episode.error),
         )
         return session_output(prompt_ids, episode.response_ids, episode.response_log_probs, spo, metrics,
                               [turn.server_fields for turn in episode.turns], dialogue=Dialogue.of(episode))

@@ -15,7 +15,7 @@ from typing import Any, Generic, TypeVar
 from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
 
 from spo_verl.core.episodes.episode import Episode
-from spo_verl.core.metadata import SPO_FIELD, SPORow, to_extra_field
+from spo_verl.core.metadata import EPISODE_FIELD, SPO_FIELD, EpisodeStatistics, SPORow, episode_to_extra_field, to_extra_field
 from spo_verl.core.rollout.server_output import merged_weight_versions
 
 Job = TypeVar("Job")
@@ -50,15 +50,17 @@ class PromptJobs(Generic[Job]):
 class Dialogue:
     """What verl needs of a multi-turn response beyond its tokens: which tokens are the model's (the
     environment's replies are 0), how many messages verl's tool agent loop would count (the prompt, each
-    turn, each reply) and the episode's reward, so that verl's reward step does not score it again."""
+    turn, each reply) and the episode's reward, so that verl's reward step does not score it again; and
+    the episode's statistics for the ``spo/turns/*`` metrics."""
 
     response_mask: list[int]
     messages: int
     reward: float
+    statistics: EpisodeStatistics
 
     @classmethod
     def of(cls, episode: Episode) -> "Dialogue":
-        return cls(episode.response_mask, episode.messages, episode.reward)
+        return cls(episode.response_mask, episode.messages, episode.reward, episode.statistics)
 
 
 def session_output(prompt_ids: list[int], response_ids: list[int], response_logprobs: list[float] | None,
@@ -68,7 +70,8 @@ def session_output(prompt_ids: list[int], response_ids: list[int], response_logp
     episode played for verl's own estimators has none) in ``extra_fields["spo"]``; a response that
     ``trains`` nothing has an all-zero response mask; a ``dialogue``'s keeps the environment's replies
     out of the mask and carries the episode's reward, also as ``acc`` in ``reward_extra_info``, where
-    verl's reward manager puts a score (its validation metrics read ``acc`` from there)."""
+    verl's reward manager puts a score (its validation metrics read ``acc`` from there), and its
+    statistics in ``extra_fields[EPISODE_FIELD]`` (none for a copy that trains nothing)."""
     mask = dialogue.response_mask if dialogue is not None else [1] * len(response_ids)
     return AgentLoopOutput(
         prompt_ids=prompt_ids,
@@ -79,6 +82,7 @@ def session_output(prompt_ids: list[int], response_ids: list[int], response_logp
         reward_score=None if dialogue is None else dialogue.reward,
         metrics=AgentLoopMetrics(**metrics),
         extra_fields={**merged_weight_versions(server_fields), **({} if spo is None else {SPO_FIELD: to_extra_field(spo)}),
-                      **({} if dialogue is None else {"reward_extra_info": {"acc": dialogue.reward}}),
+                      **({} if dialogue is None else {"reward_extra_info": {"acc": dialogue.reward},
+                                                      EPISODE_FIELD: episode_to_extra_field(dialogue.statistics) if trains else None}),
                       "turn_scores": [], "tool_rewards": []},
     )

@@ -141,12 +141,12 @@ class SPOTreeAgentLoop(AgentLoopBase):
 
     def _leaf_output(self, tree: SampledTree, leaf: int, metrics: dict, trains: bool) -> AgentLoopOutput:
         token_ids, log_probs = tree.prefix(leaf)
-        node, dialogue, episode = tree.nodes[leaf], None, None
+        node, dialogue = tree.nodes[leaf], None
         if self.settings.branch_at == "turn":
             mask = tree.response_mask(leaf)
             turns, replies = _runs(mask, 1), _runs(mask, 0)
-            dialogue = Dialogue(mask, 1 + turns + replies, node.reward)
-            episode = EpisodeStatistics(turns, mask.count(0), node.ended_by, node.error)
+            dialogue = Dialogue(mask, 1 + turns + replies, node.reward,
+                                EpisodeStatistics(turns, mask.count(0), node.ended_by, node.error))
             truncated = node.ended_by != ENDED_BY_ENVIRONMENT  # scores 0, as its episode does
         else:  # the estimator scores a truncated leaf by algorithm.spo.truncated_response_score
             truncated = cut_by_length_limit(token_ids, self.response_length, {self.tokenizer.eos_token_id})
@@ -157,7 +157,6 @@ class SPOTreeAgentLoop(AgentLoopBase):
             trains=trains,
             truncated=truncated,
             tree=tree_statistics(tree),
-            episode=episode,
         )
         return session_output(tree.prompt_ids, token_ids, log_probs, spo, metrics, tree.server_fields(leaf), trains,
                               dialogue)

@@ -13,7 +13,8 @@ import numpy as np
 
 from spo_verl.core.batch_context import SPOBatchContext
 from spo_verl.core.config import SPOSettings, parse_spo_settings
-from spo_verl.core.metadata import SPO_ALGORITHMS, SPO_FIELD, ChainRow, CutpointTreeStatistics, TreeLeafRow
+from spo_verl.core.metadata import (EPISODE_FIELD, SPO_ALGORITHMS, SPO_FIELD, ChainRow, CutpointTreeStatistics,
+                                    EpisodeStatistics, TreeLeafRow, episode_from_extra_field)
 from spo_verl.adapters.agent_loops.episode_agent_loop import EPISODE_AGENT_LOOP  # a multi-turn task's answer is an episode
 from spo_verl.adapters.policy_loss import LOSS_NAME, spo_ppo_loss
 
@@ -112,10 +113,12 @@ def spo_rows_from_extra_fields(extra_fields: Sequence[Any], field: str = SPO_FIE
     return rows
 
 
-def batch_metrics(context: SPOBatchContext, response_mask) -> dict[str, float]:
+def batch_metrics(context: SPOBatchContext, response_mask,
+                  episodes: Sequence[EpisodeStatistics | None] = ()) -> dict[str, float]:
     """``spo/*`` metrics of one training batch: tree shape and cost (one entry per tree), chain
-    boundaries, MC cost and truncated continuations, and how much of the response the segment
-    training keeps."""
+    boundaries, MC cost and truncated continuations, how much of the response the segment training
+    keeps, and (``episodes``, one per row, as :func:`episodes_from_extra_fields` reads them) the
+    ``spo/turns/*`` of multi-turn episodes."""
     metrics = dict(context.metrics)
     trees = {}
     for row in context.rows:
@@ -165,16 +168,7 @@ def batch_metrics(context: SPOBatchContext, response_mask) -> dict[str, float]:
             metrics["spo/chain/boundary_value_std"] = float(np.std(values))
             metrics["spo/chain/boundary_value_min"] = float(np.min(values))
             metrics["spo/chain/boundary_value_max"] = float(np.max(values))
-    # A tree's leaves are its episodes (the legacy trainer's stand-in copies of a leaf train nothing, and count not).
-    episodes = [row for row in context.rows if (isinstance(row, ChainRow) or isinstance(row, TreeLeafRow) and row.trains)
-                and row.episode is not None]
-    if episodes:
-        metrics.update(episode_metrics(episodes))
-        if any(isinstance(row, TreeLeafRow) for row in episodes):
-            # A tree over turns: a node above the last depth ends after its turn, so the nodes at depth
-            # k - 1 (the roots for k = 1) hold the values before turn k.
-            for key in [key for key in metrics if key.startswith(TREE_VALUE_PREFIX)]:
-                metrics[f"spo/turns/value_before_turn{int(key.removeprefix(TREE_VALUE_PREFIX)) + 1}"] = metrics[key]
+    metrics.update(turn_metrics(episodes, context.rows, metrics))
     if context.trained_mask is not None:
         response_tokens = float(response_mask.sum())
         metrics["spo/trained_tokens"] = float(context.trained_mask.sum())
@@ -185,21 +179,38 @@ def batch_metrics(context: SPOBatchContext, response_mask) -> dict[str, float]:
 TREE_VALUE_PREFIX = "spo/tree/value_mean/depth"
 
 
-def episode_metrics(rows: list[ChainRow | TreeLeafRow]) -> dict[str, float]:
-    """``spo/turns/*``: the model's turns an episode, the environment's tokens, how episodes ended, and
-    (SPO-chain over turns) the mean value of the dialogue at the start of each turn (turn 1: the prompt's).
-    A tree's leaves are its episodes."""
-    stats = [row.episode for row in rows]
+def episodes_from_extra_fields(extra_fields: Sequence[Any]) -> list[EpisodeStatistics | None]:
+    """Each row's multi-turn episode (None for a row that is none, or a copy that trains nothing)."""
+    return [episode_from_extra_field(value) for value in spo_rows_from_extra_fields(extra_fields, EPISODE_FIELD)]
+
+
+def turn_metrics(episodes: Sequence[EpisodeStatistics | None], rows: Sequence[ChainRow | TreeLeafRow | None] = (),
+                 step_metrics: Mapping[str, float] | None = None) -> dict[str, float]:
+    """``spo/turns/*`` of the step's episodes, whichever algorithm played them: the model's turns an
+    episode, the environment's tokens, how episodes ended, and the mean value of the dialogue at the
+    start of each turn (turn 1: the prompt's): SPO-chain's boundary values, or for a tree over turns its
+    nodes' values by depth (``step_metrics``' ``spo/tree/value_mean/depthD``: a node above the last depth
+    ends after its turn, so the nodes at depth k - 1, the roots for k = 1, hold the values before turn k).
+    ``rows``: the SPO metadata of the same rows, where there is any. A tree's leaves are its episodes."""
+    played = [i for i, episode in enumerate(episodes) if episode is not None]
+    if not played:
+        return {}
+    stats = [episodes[i] for i in played]
     metrics = {
         "spo/turns/turns_per_episode": float(np.mean([s.turns for s in stats])),
         "spo/turns/reply_tokens_per_episode": float(np.mean([s.reply_tokens for s in stats])),
         "spo/turns/ended_by_environment_fraction": float(np.mean([s.ended_by == "environment" for s in stats])),
         "spo/turns/environment_errors": float(sum(s.environment_error is not None for s in stats)),
     }
-    chains = [row for row in rows if isinstance(row, ChainRow)]
+    spo_rows = [rows[i] for i in played if i < len(rows)]
+    chains = [row for row in spo_rows if isinstance(row, ChainRow)]
     for turn in range(1, max((len(row.boundary_values) for row in chains), default=0) + 1):
         values = [row.boundary_values[turn - 1] for row in chains if len(row.boundary_values) >= turn]
         metrics[f"spo/turns/value_before_turn{turn}"] = float(np.mean(values))
+    if any(isinstance(row, TreeLeafRow) for row in spo_rows):
+        for key, value in (step_metrics or {}).items():
+            if key.startswith(TREE_VALUE_PREFIX):
+                metrics[f"spo/turns/value_before_turn{int(key.removeprefix(TREE_VALUE_PREFIX)) + 1}"] = value
     return metrics
 
 

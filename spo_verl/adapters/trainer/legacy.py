@@ -29,9 +29,9 @@ import torch
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer, compute_advantage
 
 from spo_verl.core.batch_context import advantages_at_actor_update, is_padding_uid, provide_spo_rows
-from spo_verl.core.metadata import SPO_FIELD
+from spo_verl.core.metadata import EPISODE_FIELD, SPO_FIELD, episode_from_extra_field
 from spo_verl.adapters.trainer.common import (SPO_ESTIMATORS, batch_metrics, install_spo_actor_loss, lift_spo_metrics,
-                                              plain_validation, spo_settings_of, uses_spo_metadata)
+                                              plain_validation, spo_settings_of, turn_metrics, uses_spo_metadata)
 from spo_verl.adapters.trainer.credit_step import step_credit_metrics
 from spo_verl.adapters.trainer.packed_worker import enable_packed_training_on, packed_training_settings
 from spo_verl.adapters.trainer.sample_log import SampledResponse, log_step
@@ -48,9 +48,12 @@ def spo_advantage_step(data, algorithm_config, rollout_n: int, read_batch=None, 
     metrics of its own. Returns the step's ``spo/*`` metrics and its generated tokens
     (``spo/generated_tokens``)."""
     response_mask = data.batch["response_mask"]
+    column = data.non_tensor_batch.get(EPISODE_FIELD)
+    episodes = [episode_from_extra_field(value) for value in column] if column is not None else []
     if algorithm_config.adv_estimator not in SPO_ESTIMATORS:
         read = read_batch(data, None, response_mask) if read_batch is not None else {}
-        return {**read, "spo/generated_tokens": step_generated_tokens(float(response_mask.sum()), {})}
+        return {**read, **turn_metrics(episodes),
+                "spo/generated_tokens": step_generated_tokens(float(response_mask.sum()), {})}
     column = data.non_tensor_batch.get(SPO_FIELD)
     rows = list(column) if column is not None else [None] * len(data)
     with provide_spo_rows(rows, settings) as context:
@@ -59,7 +62,7 @@ def spo_advantage_step(data, algorithm_config, rollout_n: int, read_batch=None, 
             lam=algorithm_config.lam, num_repeat=rollout_n,
             norm_adv_by_std_in_grpo=algorithm_config.get("norm_adv_by_std_in_grpo", True), config=algorithm_config,
         )
-    spo_metrics = batch_metrics(context, response_mask)
+    spo_metrics = batch_metrics(context, response_mask, episodes)
     if read_batch is not None:
         spo_metrics.update(read_batch(data, context, response_mask))
     if context.trained_mask is not None:
@@ -74,6 +77,7 @@ def legacy_responses(data, context, response_mask, chosen: list[int]) -> list[Sa
     uids = data.non_tensor_batch["uid"]
     prompt_width = data.batch["prompts"].shape[-1]
     attention = data.batch["attention_mask"].bool()
+    episodes = data.non_tensor_batch.get(EPISODE_FIELD)
     responses = []
     for i in chosen:
         length = int(attention[i, prompt_width:].sum())
@@ -81,7 +85,7 @@ def legacy_responses(data, context, response_mask, chosen: list[int]) -> list[Sa
             context, i, str(uids[i]), data.batch["prompts"][i][attention[i, :prompt_width]].tolist(),
             data.batch["responses"][i, :length].tolist(), data.batch["old_log_probs"][i, :length],
             response_mask[i, :length], data.batch["advantages"][i, :length],
-            float(data.batch["token_level_scores"][i].sum()),
+            float(data.batch["token_level_scores"][i].sum()), episodes[i] if episodes is not None else None,
         ))
     return responses
 

@@ -58,7 +58,7 @@ from spo_verl.core.algorithms.tree_rows import build_forest
 from spo_verl.core.batch_context import TreeNodes, is_padding_uid
 from spo_verl.core.config import SPOSettings, parse_spo_settings
 from spo_verl.adapters.estimators import scores_zero
-from spo_verl.core.metadata import ChainRow, SPORow, TreeLeafRow, from_extra_field
+from spo_verl.core.metadata import ChainRow, EpisodeStatistics, SPORow, TreeLeafRow, episode_from_extra_field, from_extra_field
 
 logger = logging.getLogger(__name__)
 
@@ -80,22 +80,25 @@ class SampledResponse:
     advantages: torch.Tensor  # (L,)
     trained: torch.Tensor  # (L,) bool: in the loss
     score: float
+    episode: EpisodeStatistics | None = None  # a multi-turn episode's (as the agent loop wrote it, or read)
 
     def __post_init__(self):
         self.row = from_extra_field(self.row)
+        self.episode = episode_from_extra_field(self.episode)
 
     @classmethod
     def of_row(cls, context, index: int, uid: str, prompt_ids: list[int], response_ids: list[int],
                log_probs: torch.Tensor, response_mask: torch.Tensor, advantages: torch.Tensor,
-               score: float) -> SampledResponse:
+               score: float, episode: Any = None) -> SampledResponse:
         """Row ``index`` of a step's batch as either trainer reads it; ``context``: the step's
-        SPOBatchContext (None for a baseline), whose rows and trained mask it takes."""
+        SPOBatchContext (None for a baseline), whose rows and trained mask it takes; ``episode``: the
+        row's ``extra_fields[EPISODE_FIELD]``."""
         trained = response_mask.bool()
         if context is not None and context.trained_mask is not None:
             trained = trained & context.trained_mask[index, :response_mask.numel()].bool()
         return cls(batch_index=index, uid=uid, row=context.rows[index] if context is not None else None,
                    prompt_ids=prompt_ids, response_ids=response_ids, log_probs=log_probs, response_mask=response_mask,
-                   advantages=advantages, trained=trained, score=score)
+                   advantages=advantages, trained=trained, score=score, episode=episode)
 
 
 def _usable(index: int, uids, lengths, rows, padding) -> bool:
@@ -232,10 +235,9 @@ def response_record(response: SampledResponse, segments: list[dict], threshold: 
     }
     if isinstance(response.row, ChainRow):
         record["boundary_values"] = [_round(v) for v in response.row.boundary_values]
-    episode = getattr(response.row, "episode", None)
-    if episode is not None:
+    if response.episode is not None:
         record["environment"] = [int(m == 0) for m in response.response_mask.tolist()]
-        record["episode"] = asdict(episode)
+        record["episode"] = asdict(response.episode)
     return record
 
 

@@ -39,15 +39,18 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.workers.utils.padding import response_to_nested
 
 from spo_verl.core.batch_context import provide_spo_rows
+from spo_verl.core.metadata import EPISODE_FIELD
 from spo_verl.adapters.trainer.common import (
     TRAINER_MODE,
     batch_metrics,
     check_no_per_row_rollout_n,
+    episodes_from_extra_fields,
     install_spo_actor_loss,
     lift_spo_metrics,
     plain_validation,
     spo_rows_from_extra_fields,
     spo_settings_of,
+    turn_metrics,
     uses_spo_metadata,
 )
 from spo_verl.adapters.trainer.credit_step import step_credit_metrics
@@ -111,7 +114,8 @@ class SPOTrainer(PPOTrainerSync):
         if not uses_spo_metadata(self.config):
             batch = super()._compute_advantage(batch, metrics)
             stored = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
-                                     select_fields=["uid", "response_mask"])
+                                     select_fields=["uid", "response_mask", "extra_fields"])
+            metrics.update(turn_metrics(episodes_from_extra_fields(list(stored["extra_fields"]))))
             self._count_generated_tokens(batch, stored["response_mask"], metrics)
             self._log_and_measure(batch, stored, None, metrics)
             return batch
@@ -123,7 +127,7 @@ class SPOTrainer(PPOTrainerSync):
             batch = super()._compute_advantage(batch, metrics)
         response_mask = stored["response_mask"]
         padded_mask = response_mask.to_padded_tensor(0)
-        metrics.update(batch_metrics(context, padded_mask))
+        metrics.update(batch_metrics(context, padded_mask, episodes_from_extra_fields(list(stored["extra_fields"]))))
         self._spo_rows_to_train = None
         if context.trained_mask is not None:
             trained = padded_mask * context.trained_mask[:, : padded_mask.shape[1]].to(padded_mask.dtype)
@@ -159,7 +163,7 @@ class SPOTrainer(PPOTrainerSync):
 
     def _fetch_responses(self, batch, stored, context, chosen: list[int]) -> list[SampledResponse]:
         """Rows ``chosen`` of the step's batch from TransferQueue, as plain per-token sequences.
-        ``stored`` holds the batch's uids and its response_mask before SPO narrowed it."""
+        ``stored`` holds the batch's uids, extra fields and response_mask before SPO narrowed it."""
         data = tq.kv_batch_get(
             keys=[batch.keys[i] for i in chosen], partition_id=batch.partition_id,
             select_fields=["prompts", "responses", "advantages", "old_log_probs", "rm_scores"],
@@ -167,9 +171,10 @@ class SPOTrainer(PPOTrainerSync):
         fields = {name: list(data[name].unbind()) for name in data.keys()}
         masks = list(stored["response_mask"].unbind())
         uids = _stored_uids(stored)
+        episodes = spo_rows_from_extra_fields(list(stored["extra_fields"]), EPISODE_FIELD)
         return [SampledResponse.of_row(context, i, uids[i], fields["prompts"][j].tolist(), fields["responses"][j].tolist(),
                                        fields["old_log_probs"][j], masks[i], fields["advantages"][j],
-                                       float(fields["rm_scores"][j].sum()))
+                                       float(fields["rm_scores"][j].sum()), episodes[i])
                 for j, i in enumerate(chosen)]
 
     def _credit_metrics(self, batch, responses, metrics: dict) -> None:

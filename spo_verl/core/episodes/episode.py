@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from spo_verl.core.episodes.environment import Environment, EnvironmentReply
+from spo_verl.core.metadata import EpisodeStatistics
 from spo_verl.core.rollout.chain import BoundaryValue
 from spo_verl.core.rollout.server_output import generate_segment
 
@@ -78,6 +79,10 @@ class Episode:
     @property
     def model_tokens(self) -> int:
         return sum(len(turn.token_ids) for turn in self.turns)
+
+    @property
+    def statistics(self) -> EpisodeStatistics:
+        return EpisodeStatistics(len(self.turns), len(self.response_ids) - self.model_tokens, self.ended_by, self.error)
 
 
 @dataclass(frozen=True)
