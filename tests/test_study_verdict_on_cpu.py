@@ -75,3 +75,22 @@ def test_the_command_reads_finished_runs_and_writes_each_runs_value(tmp_path, ca
     assert result["differences"] == pytest.approx([0.05, 0.1]) and result["seeds"] == [0, 1]
     assert (tmp_path / "runs.csv").read_text().splitlines() == [
         "algorithm,seed,accuracy_at_budget", "grpo,0,0.150000", "grpo,1,0.150000", "spo,0,0.200000", "spo,1,0.250000"]
+
+
+def test_the_tuning_rule_takes_each_algorithms_best_rate_and_the_lower_one_on_a_tie(tmp_path, capsys):
+    """The declared rule, on the third study's own sweep (every arm best at 5e-6) and on a made-up one:
+    the highest accuracy at the budget, a tie to the lower rate, a run short of the budget no candidate."""
+    from pathlib import Path
+
+    from spo_verl.tools.study import tuning
+
+    study3 = Path(__file__).resolve().parents[1] / "docs" / "results" / "study3"
+    rates = [f"{lr}={study3 / f'tune_lr{lr}.csv'}" for lr in ("5e-6", "1e-5", "2e-5")]
+    assert tuning.main([*sum((["--rate", r] for r in rates), []), "--csv", str(tmp_path / "chosen.csv")]) == 0
+    assert capsys.readouterr().out.strip() == "grpo=5e-6,grpo_prob_mask=5e-6,spo_tree_cutpoint=5e-6"
+    # The choice the third study made by hand (its chosen_rates.csv), row for row.
+    assert sorted((tmp_path / "chosen.csv").read_text().splitlines()) == sorted((study3 / "chosen_rates.csv").read_text().splitlines())
+    sweep = {"a": {"1e-5": 0.5, "5e-6": 0.5, "2e-5": 0.4}, "b": {"1e-5": 0.3, "5e-6": None, "2e-5": 0.6}}
+    assert tuning.choose(sweep) == {"a": ("5e-6", 0.5), "b": ("2e-5", 0.6)}
+    with pytest.raises(ValueError, match="c: no tuning run reached the budget"):
+        tuning.choose({"c": {"1e-5": None}})
