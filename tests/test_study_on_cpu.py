@@ -68,6 +68,7 @@ def test_options_and_their_errors(capsys):
     default = study.parse_args([])
     assert (default.lr, default.prompts_per_step, default.token_budget, default.task) == (1e-5, 8, 8000, None)
     assert study.parse_args(["--task", "add_add"]).task == "add_add"
+    assert study.parse_args(["--task", "dialogue2", "--algorithms", "spo_tree,spo_chain,grpo,grpo_prob_mask"]).task == "dialogue2"
     assert study.parse_args(["--setting", "cpu-tiny", "--prompts-per-step", "6"]).training_overrides() == [
         "data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=3"]
     assert quick.training_overrides() == []  # cpu-tiny: the setting's own lr and batch
@@ -87,7 +88,9 @@ def test_options_and_their_errors(capsys):
                           (["--quick", "--validate-on", "tune"], "--validate-on tune needs the cpu-smollm2 setting"),
                           (["--prompts-per-step", "5"], "--prompts-per-step must be an even number of at least 2"),
                           (["--setting", "laptop"], "invalid choice: 'laptop'"),
-                          (["--task", "add_mul"], "--task must be one of add_sub,add_sub_add,add_add,mul_add,steps2,steps3,steps4,steps5,steps6,steps7, got 'add_mul'"),
+                          (["--task", "add_mul"], "--task must be one of add_sub,add_sub_add,add_add,mul_add,steps2,steps3,steps4,steps5,steps6,steps7,dialogue3,dialogue2, got 'add_mul'"),
+                          (["--task", "dialogue2"], "--task dialogue2 is a multi-turn task; spo_tree_cutpoint cannot play its episodes "
+                                                    "(allowed: spo_tree,spo_chain,grpo,grpo_prob_mask)"),
                           (["--quick", "--task", "add_add"], "--task picks a task of the cpu-smollm2 setting, not of cpu-tiny")]:
         with pytest.raises(SystemExit):
             study.parse_args(argv)
@@ -116,6 +119,9 @@ def test_the_error_table_reads_each_runs_first_and_last_validation(tmp_path):
     assert [(r["step"], r["answers"], r["right"], r["step 1: wrong arithmetic"]) for r in rows] == [
         ("0", "2", "0.5", "0.5"), ("10", "3", "1.0", "0.0")]  # step 5 is neither the first nor the last
     assert study.write_error_table(study.parse_args(["--quick", "--output-dir", str(tmp_path)]), path) is None
+    # A multi-turn task's dumps are dialogues, not one problem's worked answer: no table (it raised before).
+    dialogue = study.parse_args(["--task", "dialogue2", "--algorithms", "grpo", "--seeds", "1", "--output-dir", str(tmp_path)])
+    assert study.write_error_table(dialogue, tmp_path / "report" / "dialogue_errors.csv") is None
 
 
 def test_verls_metrics_file_is_read_with_an_unfinished_last_line(tmp_path):

@@ -326,6 +326,11 @@ async def test_a_tree_over_turns_on_verls_server_and_through_verls_advantage_ste
         assert out.extra_fields["spo_turns"] == {"turns": 2, "reply_tokens": first_end - turn, "ended_by": "length" if cut else "environment",
                                   "environment_error": None}
     assert len(first_turns) == 2
+    # The tree's cost is the model's tokens, each node once: the environment's replies are not generated.
+    first_turn_tokens = {row["path"][0]: out.response_mask.index(0) for out, row in zip(outputs, rows)}
+    second_turn_tokens = [len(out.response_ids) - row["segment_ends"][0] for out, row in zip(outputs, rows)]
+    assert rows[0]["tree"]["generated_tokens"] == sum(first_turn_tokens.values()) + sum(second_turn_tokens)
+    assert rows[0]["tree"]["independent_sample_tokens"] == sum(sum(out.response_mask) for out in outputs)
     data = DataProto.from_dict(
         tensors={"token_level_rewards": torch.tensor([[0.0] * (len(o.response_ids) - 1) + [o.reward_score] + [0.0] * (length - len(o.response_ids))
                                                       for o in outputs]),

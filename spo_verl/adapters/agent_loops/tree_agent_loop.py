@@ -48,7 +48,9 @@ class _TreeJob:
 
 def tree_statistics(tree: SampledTree) -> TreeStatistics:
     """Shape and cost of one tree, for the ``spo/tree/*`` metrics. A fixed tree counts the leaves
-    that stopped above its last depth; a cutpoint tree also its forks and where they fall."""
+    that stopped above its last depth; a cutpoint tree also its forks and where they fall. Its cost is
+    the tokens the model generated: a tree over turns leaves the environment's replies out, as the
+    response mask does (the token budget compares algorithms by the model's tokens)."""
     depth = len(tree.branching)
     segments = tree.nodes[1:]
     leaves = tree.leaves()
@@ -60,8 +62,9 @@ def tree_statistics(tree: SampledTree) -> TreeStatistics:
         nodes=len(segments),
         leaves=len(leaves),
         early_stops_per_depth=early_stops,
-        generated_tokens=sum(len(node.token_ids) for node in segments),
-        independent_sample_tokens=sum(len(tree.prefix(leaf)[0]) for leaf in leaves),
+        generated_tokens=sum(sum(node.response_mask) if node.response_mask is not None else len(node.token_ids)
+                             for node in segments),
+        independent_sample_tokens=sum(sum(tree.response_mask(leaf)) for leaf in leaves),
     )
     if isinstance(tree, CutpointTree):
         return CutpointTreeStatistics(

@@ -389,8 +389,11 @@ def _sampled_validation(study: Study, folder: "RunFolder", algorithm: str, seed:
 
 def write_error_table(study: Study, path: Path) -> Path | None:
     """cpu-smollm2: what the held-out answers got wrong at each run's first and last validation
-    (``spo_verl.core.credit.answer_errors``), one CSV row per (algorithm, seed, step), shares of the answers."""
-    if study.setting != "cpu-smollm2":
+    (``spo_verl.core.credit.answer_errors``), one CSV row per (algorithm, seed, step), shares of the answers.
+    None for a multi-turn task: the kinds are those of one arithmetic problem's worked answer."""
+    from spo_verl.tools.cpu_settings.smollm2 import DIALOGUE_TASKS
+
+    if study.setting != "cpu-smollm2" or study.task in DIALOGUE_TASKS:
         return None
     import csv
 
@@ -515,12 +518,16 @@ def parse_args(argv=None) -> Study:
         parser.error(f"--prompts-per-step must be an even number of at least 2 (two optimizer steps), got "
                      f"{args.prompts_per_step}")
     if args.task is not None:
-        from spo_verl.tools.cpu_settings.smollm2 import TASKS
+        from spo_verl.tools.cpu_settings.smollm2 import ALL_TASKS, DIALOGUE_TASKS
 
         if values["setting"] != "cpu-smollm2":
             parser.error(f"--task picks a task of the cpu-smollm2 setting, not of {values['setting']}")
-        if args.task not in TASKS:
-            parser.error(f"--task must be one of {','.join(TASKS)}, got {args.task!r}")
+        if args.task not in ALL_TASKS:
+            parser.error(f"--task must be one of {','.join(ALL_TASKS)}, got {args.task!r}")
+        # A tree that forks at cutpoints inside a response has no form over turns (the launcher refuses it too).
+        if args.task in DIALOGUE_TASKS and "spo_tree_cutpoint" in values["algorithms"]:
+            parser.error(f"--task {args.task} is a multi-turn task; spo_tree_cutpoint cannot play its episodes "
+                         f"(allowed: {','.join(a for a in ALGORITHMS if a != 'spo_tree_cutpoint')})")
     setting_defaults = STUDY_SETTING_DEFAULTS.get(values["setting"], {})
     lr = rates.pop(None, setting_defaults.get("lr"))
     prompts = args.prompts_per_step if args.prompts_per_step is not None else setting_defaults.get("prompts_per_step")
