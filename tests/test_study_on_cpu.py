@@ -79,6 +79,7 @@ def test_options_and_their_errors(capsys):
     assert tuned.training_overrides("spo_tree")[0] == "actor_rollout_ref.actor.optim.lr=2e-05"
     assert tuned.training_overrides("grpo")[0] == "actor_rollout_ref.actor.optim.lr=1e-05"
     assert (tuned.validate_on, tuned.sampled_validation, default.validate_on, default.sampled_validation) == ("tune", 4, "test", 0)
+    assert study.parse_args(["--report-only"]).report_only and not default.report_only
     for argv, message in [(["--algorithms", "spo_tree,dpo"], "--algorithms must be a non-empty subset"),
                           (["--token-budget", "0"], "--token-budget must be a positive integer, got 0"),
                           (["--lr", "-1"], "--lr must be positive"),
@@ -95,6 +96,19 @@ def test_options_and_their_errors(capsys):
         with pytest.raises(SystemExit):
             study.parse_args(argv)
         assert message in capsys.readouterr().err
+
+
+def test_report_only_trains_nothing_and_reports_the_finished_runs(tmp_path, monkeypatch, capsys):
+    """``--report-only`` over a study with one finished run and one that has not started: no run is
+    started (a run would be a subprocess) and the report is made over the study's folder."""
+    reported = []
+    monkeypatch.setattr(study, "run_one", lambda *args: pytest.fail(f"a run was started: {args[1:]}"))
+    monkeypatch.setattr(study, "report", lambda plan: reported.append(plan) or 0)
+    (tmp_path / "grpo" / "seed0").mkdir(parents=True)
+    (tmp_path / "grpo" / "seed0" / study.DONE_FILE).write_text("{}")
+    assert study.main(["--report-only", "--algorithms", "grpo,spo_tree", "--seeds", "0", "--output-dir", str(tmp_path)]) == 0
+    assert [plan.output_dir for plan in reported] == [tmp_path]
+    assert "unfinished runs" not in capsys.readouterr().out
 
 
 def test_the_error_table_reads_each_runs_first_and_last_validation(tmp_path):

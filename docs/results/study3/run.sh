@@ -42,3 +42,15 @@ bash scripts/compare.sh --task steps4 --algorithms spo_tree_cutpoint,grpo_prob_m
 bash scripts/compare.sh --task steps4 --algorithms spo_chain --seeds 0,1,2 --lr 1e-5 --token-budget 18000 \
   --max-steps 40 --val-every 5 --sampled-validation 4 --output-dir outputs/study3
 archive_finished
+
+# Every run in (compare stops this script otherwise): the verdict at the budget and the report's tables
+# (per step, per run with seconds by phase, per arm, the final table), kept here and committed.
+cd "$repo"
+"$python" -m spo_verl.tools.study.verdict --output-dir "$archive" --budget 16000 --level 0.975 \
+  --compare spo_tree_cutpoint-grpo_prob_mask,spo_tree_cutpoint-grpo --csv docs/results/study3/at_budget.csv \
+  > docs/results/study3/verdict.txt
+"$python" -m spo_verl.tools.study.compare --report-only --task steps4 \
+  --algorithms spo_tree_cutpoint,grpo_prob_mask,grpo,spo_chain --seeds 0,1,2,3,4,5,6,7 --output-dir "$clone/outputs/study3"
+for table in results.csv summary.csv groups.csv table.md; do cp "$clone/outputs/study3/report/$table" docs/results/study3/; done
+finished=(docs/results/study3/{at_budget.csv,verdict.txt,results.csv,summary.csv,groups.csv,table.md})
+git add "${finished[@]}" && git commit -q -m "The third study: every run in; the verdict at 16,000 tokens and the report's tables" -- "${finished[@]}"

@@ -67,3 +67,14 @@ chosen="$(tail -n +2 "$repo/$here/chosen_rates.csv" | cut -d, -f1,2 | tr ',' '='
 bash scripts/compare.sh "${common[@]}" --algorithms "$arms" --seeds 0,1,2,3 --lr "$chosen" --sampled-validation 4 \
   --output-dir outputs/study4
 archive_finished
+
+# Every run in (compare stops this script otherwise): the verdict at the budget and the report's tables
+# (per step, per run with seconds by phase, per arm, the final table), kept here and committed.
+cd "$repo"
+"$python" -m spo_verl.tools.study.verdict --output-dir "$here/runs" --budget 8000 --level 0.975 \
+  --compare spo_tree-grpo_prob_mask,spo_chain-grpo_prob_mask --csv "$here/at_budget.csv" > "$here/verdict.txt"
+"$python" -m spo_verl.tools.study.compare --report-only --task dialogue2 --algorithms "$arms" --seeds 0,1,2,3 \
+  --output-dir "$clone/outputs/study4"
+for table in results.csv summary.csv groups.csv table.md; do cp "$clone/outputs/study4/report/$table" "$here/"; done
+commit_paths "The multi-turn study: every run in; the verdict at 8,000 tokens and the report's tables" \
+  "$here"/{at_budget.csv,verdict.txt,results.csv,summary.csv,groups.csv,table.md}

@@ -4,7 +4,8 @@ every (algorithm, seed) its own verl run to the same budget of generated tokens,
     bash scripts/compare.sh [--setting cpu-smollm2] [--algorithms spo_tree,grpo] [--seeds 0,1,2]
                             [--token-budget 8000] [--lr 1e-5 | --lr spo_tree=1e-5,grpo=5e-6] [--prompts-per-step 8]
                             [--val-every 5] [--max-steps 30] [--task add_sub] [--validate-on test|tune]
-                            [--sampled-validation 4] [--output-dir outputs/study-<setting>] [--quick] [-- HYDRA_OVERRIDES...]
+                            [--sampled-validation 4] [--output-dir outputs/study-<setting>] [--quick] [--report-only]
+                            [-- HYDRA_OVERRIDES...]
 
 Each run is the project's run script (``scripts/spo_launch.sh``) with the study's setting, in its own
 folder ``<output-dir>/<algorithm>/seed<k>/``. Running the command again skips finished runs (their
@@ -22,7 +23,8 @@ and ``ppo_mini_batch_size=N/2`` (two optimizer steps a step) on any setting.
 problem), for choosing settings such as the learning rate without looking at the test set.
 ``--sampled-validation N`` adds, once a run has trained, a validation of its final policy with N
 samples a problem at the training temperature (verl's validation, ``trainer.val_only``, from the
-last checkpoint), beside the greedy ones.
+last checkpoint), beside the greedy ones. ``--report-only`` trains nothing and writes the report and
+the final table of the runs that have finished (a study restored from its archive, or one still running).
 
 Seeds: seed ``k`` sets verl's ``data.seed`` (the order the training prompts are drawn in: the same
 for every algorithm under one seed) and ``actor_rollout_ref.rollout.seed`` (vLLM's engine seed).
@@ -73,6 +75,7 @@ class Study:
     lr_by_algorithm: tuple[tuple[str, float], ...] = ()  # each algorithm's own rate (over ``lr``)
     validate_on: str = "test"  # cpu-smollm2: the held-out problems ("test") or the problems it tunes on ("tune")
     sampled_validation: int = 0  # after training, this many samples a problem at the training temperature (0: none)
+    report_only: bool = False  # train nothing: the report and table of the runs that have finished
 
     def learning_rate(self, algorithm: str) -> float | None:
         return dict(self.lr_by_algorithm).get(algorithm, self.lr)
@@ -488,6 +491,9 @@ def parse_args(argv=None) -> Study:
                         help="after training, validate the final policy with N samples a problem at the training "
                              "temperature (verl's validation; 0, the default: none)")
     parser.add_argument("--output-dir", type=Path, help="default: outputs/study-<setting>")
+    parser.add_argument("--report-only", action="store_true",
+                        help="train nothing: write the report and the final table of the runs that have finished "
+                             "(e.g. a study's runs restored from its archive)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     args = parser.parse_args(argv)
     base = {**DEFAULTS, **(QUICK if args.quick else {})}
@@ -534,7 +540,7 @@ def parse_args(argv=None) -> Study:
     output_dir = (args.output_dir or REPO / "outputs" / f"study-{values['setting']}").resolve()
     return Study(values["setting"], tuple(values["algorithms"]), tuple(values["seeds"]), values["token_budget"],
                  values["max_steps"], values["val_every"], output_dir, lr, prompts, tuple(args.overrides), args.task,
-                 tuple(sorted(rates.items())), args.validate_on, args.sampled_validation)
+                 tuple(sorted(rates.items())), args.validate_on, args.sampled_validation, args.report_only)
 
 
 def _stop_on_sigterm(signum, frame):
@@ -552,7 +558,7 @@ def main(argv=None) -> int:
           + "".join(f"; {a}: lr {study.learning_rate(a)}" for a, _ in study.lr_by_algorithm)
           + f"; output {study.output_dir}", flush=True)
     started = time.monotonic()
-    failed = [f"{a}/seed{s}" for a, s in runs if not run_one(study, a, s)]
+    failed = [] if study.report_only else [f"{a}/seed{s}" for a, s in runs if not run_one(study, a, s)]
     status = report(study)
     print(f"compare: done in {(time.monotonic() - started) / 60:.1f} min; report: "
           f"{study.output_dir / 'report' / 'report.html'}", flush=True)
