@@ -74,6 +74,12 @@ def test_non_spo_estimators_are_verls_unchanged():
     metrics = spo_advantage_step(data, grpo, rollout_n=4)
     assert all(torch.equal(data.batch[key], value) for key, value in before.items())
     assert metrics == {"spo/generated_tokens": 12}  # 4 responses of 3 tokens
+    # Episodes played by spo_episode arrive as the spo_turns column: their spo/turns/* for GRPO too.
+    episode = {"turns": 2, "reply_tokens": 1, "ended_by": "environment", "environment_error": None}
+    data.non_tensor_batch["spo_turns"] = np.array([episode, episode, {**episode, "ended_by": "length"}, None], dtype=object)
+    assert spo_advantage_step(data, grpo, rollout_n=4) == {
+        "spo/generated_tokens": 12, "spo/turns/turns_per_episode": 2.0, "spo/turns/reply_tokens_per_episode": 1.0,
+        "spo/turns/ended_by_environment_fraction": pytest.approx(2 / 3), "spo/turns/environment_errors": 0.0}
 
 
 def test_fit_defers_the_spo_advantage_step_to_the_actor_update(monkeypatch):
