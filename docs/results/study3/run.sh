@@ -1,39 +1,21 @@
 #!/usr/bin/env bash
 # The third study's seed runs (docs/STUDY.md), resumable across machines that keep no disk: trains in a
 # clone of this repository at the tuning's commit, with its own .venv, after putting back the runs this
-# folder already holds; every run that finishes is archived here and committed at once.
+# folder already holds; every run that finishes is archived here and committed at once, and when every
+# run is in, the verdict and the report's tables are written here and committed.
 #   bash docs/results/study3/run.sh [CLONE]      # CLONE: where the clone goes (default ../study3)
 # Stop it by ending its process group; run it again to go on.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
 clone="${1:-$repo/../study3}"
 commit=2ae6efd  # the tuning ran here (docs/results/study3/tune_*.csv)
-archive=docs/results/study3/runs
-if [[ ! -d "$clone/.git" ]]; then
-  git clone -q "$repo" "$clone"
-  git -C "$clone" checkout -q "$commit"
-fi
-[[ -x "$clone/.venv/bin/python" ]] || (cd "$clone" && bash scripts/setup_env.sh)
-python="$repo/.venv/bin/python"
-[[ -x "$python" ]] || (cd "$repo" && bash scripts/setup_env.sh)
-(cd "$repo" && "$python" -m spo_verl.tools.study.archive restore --archive "$archive" --output-dir "$clone/outputs/study3")
-
-archive_finished() {  # archive and commit every run that finished since the last call
-  cd "$repo"
-  "$python" -m spo_verl.tools.study.archive save --output-dir "$clone/outputs/study3" --archive "$archive" |
-    sed -n 's/^archive: saved //p' | while read -r folder; do
-      run="${folder#"$archive"/}"
-      for _ in 1 2 3 4 5; do  # another git command may hold the index for a moment
-        if git add "$folder" && git commit -q -m "The third study: $run finished (trained at $commit)" -- "$folder"; then
-          break
-        fi
-        sleep 5
-      done
-    done
-}
-(while sleep 120; do archive_finished; done) &
-watcher=$!
-trap 'kill $watcher 2>/dev/null || true' EXIT
+study="The third study"
+here=docs/results/study3
+declare -A archives=([$here/runs]="$clone/outputs/study3")
+source "$repo/docs/results/study_runner.sh"
+prepare_clone
+restore_runs
+watch_and_archive
 
 cd "$clone"
 bash scripts/compare.sh --task steps4 --algorithms spo_tree_cutpoint,grpo_prob_mask,grpo --seeds 0,1,2,3,4,5,6,7 \
@@ -46,11 +28,10 @@ archive_finished
 # Every run in (compare stops this script otherwise): the verdict at the budget and the report's tables
 # (per step, per run with seconds by phase, per arm, the final table), kept here and committed.
 cd "$repo"
-"$python" -m spo_verl.tools.study.verdict --output-dir "$archive" --budget 16000 --level 0.975 \
-  --compare spo_tree_cutpoint-grpo_prob_mask,spo_tree_cutpoint-grpo --csv docs/results/study3/at_budget.csv \
-  > docs/results/study3/verdict.txt
+"$python" -m spo_verl.tools.study.verdict --output-dir "$here/runs" --budget 16000 --level 0.975 \
+  --compare spo_tree_cutpoint-grpo_prob_mask,spo_tree_cutpoint-grpo --csv "$here/at_budget.csv" > "$here/verdict.txt"
 "$python" -m spo_verl.tools.study.compare --report-only --task steps4 \
   --algorithms spo_tree_cutpoint,grpo_prob_mask,grpo,spo_chain --seeds 0,1,2,3,4,5,6,7 --output-dir "$clone/outputs/study3"
-for table in results.csv summary.csv groups.csv table.md; do cp "$clone/outputs/study3/report/$table" docs/results/study3/; done
-finished=(docs/results/study3/{at_budget.csv,verdict.txt,results.csv,summary.csv,groups.csv,table.md})
-git add "${finished[@]}" && git commit -q -m "The third study: every run in; the verdict at 16,000 tokens and the report's tables" -- "${finished[@]}"
+for table in results.csv summary.csv groups.csv table.md; do cp "$clone/outputs/study3/report/$table" "$here/"; done
+commit_paths "$study: every run in; the verdict at 16,000 tokens and the report's tables" \
+  "$here"/{at_budget.csv,verdict.txt,results.csv,summary.csv,groups.csv,table.md}

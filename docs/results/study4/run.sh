@@ -2,50 +2,25 @@
 # The multi-turn study (docs/STUDY.md): its tuning sweep, the choice of each arm's rate by the declared
 # rule, then the seed runs; resumable across machines that keep no disk. Trains in a clone of this
 # repository at the declared commit, with its own .venv, after putting back the runs this folder already
-# holds; every run that finishes is archived here and committed at once, as are the tuning's results.
+# holds; every run that finishes is archived here and committed at once, as are the tuning's results,
+# and when every run is in, the verdict and the report's tables.
 #   bash docs/results/study4/run.sh [CLONE]      # CLONE: where the clone goes (default ../study4)
 # Stop it by ending its process group; run it again to go on.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
 clone="${1:-$repo/../study4}"
 commit=c392742  # the declared commit (docs/STUDY.md)
+study="The multi-turn study"
 here=docs/results/study4
 arms=spo_tree,spo_chain,grpo_prob_mask,grpo
 rates=(2.5e-6 5e-6 1e-5)
 common=(--task dialogue2 --token-budget 10000 --max-steps 40 --val-every 5)
-if [[ ! -d "$clone/.git" ]]; then
-  git clone -q "$repo" "$clone"
-  git -C "$clone" checkout -q "$commit"
-fi
-[[ -x "$clone/.venv/bin/python" ]] || (cd "$clone" && bash scripts/setup_env.sh)
-python="$repo/.venv/bin/python"
-[[ -x "$python" ]] || (cd "$repo" && bash scripts/setup_env.sh)
-
-# archive folder -> the clone's output folder of the same runs
-declare -A outputs=([$here/runs]="$clone/outputs/study4")
-for lr in "${rates[@]}"; do outputs[$here/tune/lr$lr]="$clone/outputs/study4-tune/lr$lr"; done
-for archive in "${!outputs[@]}"; do
-  (cd "$repo" && "$python" -m spo_verl.tools.study.archive restore --archive "$archive" --output-dir "${outputs[$archive]}")
-done
-
-commit_paths() {  # commit these paths with a message; another git command may hold the index for a moment
-  local message="$1"; shift
-  for _ in 1 2 3 4 5; do
-    if (cd "$repo" && git add "$@" && git commit -q -m "$message" -- "$@"); then return 0; fi
-    sleep 5
-  done
-}
-archive_finished() {  # archive and commit every run that finished since the last call
-  for archive in "${!outputs[@]}"; do
-    (cd "$repo" && "$python" -m spo_verl.tools.study.archive save --output-dir "${outputs[$archive]}" --archive "$archive") |
-      sed -n 's/^archive: saved //p' | while read -r folder; do
-        commit_paths "The multi-turn study: ${folder#"$here"/} finished (trained at $commit)" "$folder"
-      done
-  done
-}
-(while sleep 120; do archive_finished; done) &
-watcher=$!
-trap 'kill $watcher 2>/dev/null || true' EXIT
+declare -A archives=([$here/runs]="$clone/outputs/study4")
+for lr in "${rates[@]}"; do archives[$here/tune/lr$lr]="$clone/outputs/study4-tune/lr$lr"; done
+source "$repo/docs/results/study_runner.sh"
+prepare_clone
+restore_runs
+watch_and_archive
 
 cd "$clone"
 for lr in "${rates[@]}"; do  # the sweep, on the tuning dialogues
@@ -60,7 +35,7 @@ if [[ ! -f "$repo/$here/chosen_rates.csv" ]]; then
   done
   "$python" -m spo_verl.tools.study.tuning $(for lr in "${rates[@]}"; do echo --rate "$lr=$repo/$here/tune_lr$lr.csv"; done) \
     --csv "$repo/$here/chosen_rates.csv"
-  commit_paths "The multi-turn study's tuning done: each arm's rate by the declared rule (chosen_rates.csv)" \
+  commit_paths "$study's tuning done: each arm's rate by the declared rule (chosen_rates.csv)" \
     "$here/chosen_rates.csv" $(for lr in "${rates[@]}"; do echo "$here/tune_lr$lr.csv"; done)
 fi
 chosen="$(tail -n +2 "$repo/$here/chosen_rates.csv" | cut -d, -f1,2 | tr ',' '=' | paste -sd, -)"
@@ -76,5 +51,5 @@ cd "$repo"
 "$python" -m spo_verl.tools.study.compare --report-only --task dialogue2 --algorithms "$arms" --seeds 0,1,2,3 \
   --output-dir "$clone/outputs/study4"
 for table in results.csv summary.csv groups.csv table.md; do cp "$clone/outputs/study4/report/$table" "$here/"; done
-commit_paths "The multi-turn study: every run in; the verdict at 8,000 tokens and the report's tables" \
+commit_paths "$study: every run in; the verdict at 8,000 tokens and the report's tables" \
   "$here"/{at_budget.csv,verdict.txt,results.csv,summary.csv,groups.csv,table.md}
