@@ -14,7 +14,10 @@ study="The multi-turn study"
 here=docs/results/study4
 arms=spo_tree,spo_chain,grpo_prob_mask,grpo
 rates=(2.5e-6 5e-6 1e-5)
-common=(--task dialogue2 --token-budget 10000 --max-steps 40 --val-every 5)
+common=(--task dialogue2 --token-budget 10000 --max-steps 40)
+# Validation every 5 steps, the chain's (about three times as many tokens a step) every 2: docs/STUDY.md.
+five=(--algorithms spo_tree,grpo_prob_mask,grpo --val-every 5)
+two=(--algorithms spo_chain --val-every 2)
 declare -A archives=([$here/runs]="$clone/outputs/study4")
 for lr in "${rates[@]}"; do archives[$here/tune/lr$lr]="$clone/outputs/study4-tune/lr$lr"; done
 source "$repo/docs/results/study_runner.sh"
@@ -24,8 +27,8 @@ watch_and_archive
 
 cd "$clone"
 for lr in "${rates[@]}"; do  # the sweep, on the tuning dialogues
-  bash scripts/compare.sh "${common[@]}" --algorithms "$arms" --seeds 100 --lr "$lr" --validate-on tune \
-    --output-dir "outputs/study4-tune/lr$lr"
+  bash scripts/compare.sh "${common[@]}" "${five[@]}" --seeds 100 --lr "$lr" --validate-on tune --output-dir "outputs/study4-tune/lr$lr"
+  bash scripts/compare.sh "${common[@]}" "${two[@]}" --seeds 100 --lr "$lr" --validate-on tune --output-dir "outputs/study4-tune/lr$lr"
 done
 archive_finished
 if [[ ! -f "$repo/$here/chosen_rates.csv" ]]; then
@@ -38,9 +41,13 @@ if [[ ! -f "$repo/$here/chosen_rates.csv" ]]; then
   commit_paths "$study's tuning done: each arm's rate by the declared rule (chosen_rates.csv)" \
     "$here/chosen_rates.csv" $(for lr in "${rates[@]}"; do echo "$here/tune_lr$lr.csv"; done)
 fi
-chosen="$(tail -n +2 "$repo/$here/chosen_rates.csv" | cut -d, -f1,2 | tr ',' '=' | paste -sd, -)"
-bash scripts/compare.sh "${common[@]}" --algorithms "$arms" --seeds 0,1,2,3 --lr "$chosen" --sampled-validation 4 \
-  --output-dir outputs/study4
+rate_of() { grep "^$1," "$repo/$here/chosen_rates.csv" | cut -d, -f2; }
+for seed in 0 1 2 3; do  # seed by seed: every finished seed a complete set of pairs
+  bash scripts/compare.sh "${common[@]}" "${five[@]}" --seeds "$seed" --sampled-validation 4 --output-dir outputs/study4 \
+    --lr "spo_tree=$(rate_of spo_tree),grpo_prob_mask=$(rate_of grpo_prob_mask),grpo=$(rate_of grpo)"
+  bash scripts/compare.sh "${common[@]}" "${two[@]}" --seeds "$seed" --sampled-validation 4 --output-dir outputs/study4 \
+    --lr "$(rate_of spo_chain)"
+done
 archive_finished
 
 # Every run in (compare stops this script otherwise): the verdict at the budget and the report's tables
