@@ -133,6 +133,13 @@ def test_the_error_table_reads_each_runs_first_and_last_validation(tmp_path):
     assert [(r["step"], r["answers"], r["right"], r["step 1: wrong arithmetic"]) for r in rows] == [
         ("0", "2", "0.5", "0.5"), ("10", "3", "1.0", "0.0")]  # step 5 is neither the first nor the last
     assert study.write_error_table(study.parse_args(["--quick", "--output-dir", str(tmp_path)]), path) is None
+    # A run restored from the archive has each answer's score, not its text: no row (it raised before).
+    restored = tmp_path / "grpo" / "seed2" / "validation"
+    restored.mkdir(parents=True)
+    (restored / "0.jsonl").write_text(json.dumps({"input": "3f2a9c", "score": 1.0}) + "\n")
+    both = study.parse_args(["--algorithms", "grpo", "--seeds", "1,2", "--output-dir", str(tmp_path)])
+    with open(study.write_error_table(both, tmp_path / "report" / "both.csv")) as handle:
+        assert [(r["seed"], r["step"]) for r in csv.DictReader(handle)] == [("1", "0"), ("1", "10")]
     # A multi-turn task's dumps are dialogues, not one problem's worked answer: no table (it raised before).
     dialogue = study.parse_args(["--task", "dialogue2", "--algorithms", "grpo", "--seeds", "1", "--output-dir", str(tmp_path)])
     assert study.write_error_table(dialogue, tmp_path / "report" / "dialogue_errors.csv") is None

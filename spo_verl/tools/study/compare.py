@@ -390,10 +390,17 @@ def _sampled_validation(study: Study, folder: "RunFolder", algorithm: str, seed:
     return accuracy
 
 
+def _has_answer_texts(dump: Path) -> bool:
+    with open(dump) as handle:
+        first = handle.readline()
+    return bool(first.strip()) and "output" in json.loads(first)
+
+
 def write_error_table(study: Study, path: Path) -> Path | None:
     """cpu-smollm2: what the held-out answers got wrong at each run's first and last validation
     (``spo_verl.core.credit.answer_errors``), one CSV row per (algorithm, seed, step), shares of the answers.
-    None for a multi-turn task: the kinds are those of one arithmetic problem's worked answer."""
+    None for a multi-turn task: the kinds are those of one arithmetic problem's worked answer. A run
+    restored from a study's archive keeps each answer's score but not its text, so it has no row."""
     from spo_verl.tools.cpu_settings.smollm2 import DIALOGUE_TASKS
 
     if study.setting != "cpu-smollm2" or study.task in DIALOGUE_TASKS:
@@ -408,6 +415,8 @@ def write_error_table(study: Study, path: Path) -> Path | None:
             dumps = sorted((study.output_dir / algorithm / f"seed{seed}" / "validation").glob("*.jsonl"),
                            key=lambda dump: int(dump.stem) if dump.stem.isdigit() else -1)
             for dump in dumps[:1] + dumps[-1:] if len(dumps) > 1 else dumps:
+                if not _has_answer_texts(dump):
+                    continue
                 kinds = count_kinds(dump)
                 total = sum(kinds.values()) or 1
                 rows.append([algorithm, seed, dump.stem, total, *(round(kinds[k] / total, 4) for k in KINDS)])
