@@ -17,15 +17,26 @@ prepare_clone
 restore_runs
 watch_and_archive
 
+# Whether the runs finished is read from their done.json, not from compare's exit status: at commit
+# 2ae6efd compare's closing report raises on runs restored from the archive (their answers keep no text).
+finished() {  # finished ALGORITHMS SEEDS: every run has its done.json
+  local algorithm seed
+  for algorithm in ${1//,/ }; do for seed in ${2//,/ }; do
+    [[ -f "outputs/study3/$algorithm/seed$seed/done.json" ]] || { echo "run.sh: $algorithm/seed$seed unfinished; run again" >&2; return 1; }
+  done; done
+}
 cd "$clone"
-bash scripts/compare.sh --task steps4 --algorithms spo_tree_cutpoint,grpo_prob_mask,grpo --seeds 0,1,2,3,4,5,6,7 \
+primary=spo_tree_cutpoint,grpo_prob_mask,grpo
+bash scripts/compare.sh --task steps4 --algorithms "$primary" --seeds 0,1,2,3,4,5,6,7 \
   --lr spo_tree_cutpoint=5e-6,grpo_prob_mask=5e-6,grpo=5e-6 --token-budget 18000 --max-steps 40 --val-every 5 \
-  --sampled-validation 4 --output-dir outputs/study3
+  --sampled-validation 4 --output-dir outputs/study3 || true
+finished "$primary" 0,1,2,3,4,5,6,7
 bash scripts/compare.sh --task steps4 --algorithms spo_chain --seeds 0,1,2 --lr 1e-5 --token-budget 18000 \
-  --max-steps 40 --val-every 5 --sampled-validation 4 --output-dir outputs/study3
+  --max-steps 40 --val-every 5 --sampled-validation 4 --output-dir outputs/study3 || true
+finished spo_chain 0,1,2
 archive_finished
 
-# Every run in (compare stops this script otherwise): the verdict at the budget and the report's tables
+# Every run in (finished stops this script otherwise): the verdict at the budget and the report's tables
 # (per step, per run with seconds by phase, per arm, the final table), kept here and committed.
 cd "$repo"
 "$python" -m spo_verl.tools.study.verdict --output-dir "$here/runs" --budget 16000 --level 0.975 \
