@@ -31,7 +31,8 @@ REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"
 ACCURACY = "val-core/openai/gsm8k/acc/mean@1"
 PLOTS = ["accuracy_vs_step.png", "accuracy_vs_generated_tokens.png", "accuracy_vs_wall_time.png", "reward_vs_step.png",
-         "reward_vs_generated_tokens.png", "reward_vs_wall_time.png"]
+         "reward_vs_generated_tokens.png", "reward_vs_wall_time.png", "blame_on_error_vs_generated_tokens.png",
+         "blame_on_error_masked_vs_generated_tokens.png"]
 OUTPUTS = [*PLOTS, "results.csv", "summary.csv", "groups.csv", "report.html"]
 
 
@@ -127,6 +128,7 @@ def recorded_runs(tmp_path_factory):
         validation = {ACCURACY: 0.1 + 0.1 * step} if step % 2 == 0 else {}
         tree_steps.append((step, training_step(0.3 + 0.1 * step, 10.0, 900, 10.0, 5.0,
                                                **{"spo/tree/generated_tokens": 100.0 + step, **validation,
+                                                  "spo/credit/blame_on_error": 0.1 * step, "spo/credit/blame_on_error_masked": 0.2,
                                                   "timing_s/gen": 4.0, "timing_s/update_actor": 3.0,
                                                   **({"timing_s/testing": 1.5} if validation else {})})))
         chain_steps.append((step, training_step(0.25 + 0.1 * step, 20.0, 1000, 10.0, 15.0,
@@ -198,6 +200,9 @@ def test_results_csv_has_one_row_per_run_and_step_with_the_recorded_numbers(reco
     assert float(by_key[("SPO-tree", 4)]["heldout_accuracy"]) == pytest.approx(0.5)
     assert float(by_key[("SPO-tree", 0)]["heldout_accuracy"]) == pytest.approx(0.1)
     assert by_key[("SPO-tree", 0)]["training_reward"] == "" and float(by_key[("SPO-tree", 0)]["cumulative_generated_tokens"]) == 0
+    # Where the blame went, as the step logged it (spo/credit/*); a run or step that logged none: empty.
+    assert float(tree["blame_on_error"]) == pytest.approx(0.3) and float(tree["blame_on_error_masked"]) == pytest.approx(0.2)
+    assert tree["blame_on_error_net"] == "" and grpo["blame_on_error"] == ""
     assert float(chain["wall_time_s"]) == 20 and float(chain["cumulative_wall_time_s"]) == 60
     # Wall time by phase, from verl's timing_s/<phase> (empty where a phase did not run).
     assert float(tree["gen_s"]) == 4 and float(tree["update_actor_s"]) == 3 and tree["testing_s"] == ""

@@ -1,7 +1,8 @@
 """python -m spo_verl.tools.report --run LABEL=METRICS_JSONL[,SAMPLES_JSONL] ... --output DIR [--title TITLE]
 
 Writes DIR/accuracy_vs_step.png, accuracy_vs_generated_tokens.png, accuracy_vs_wall_time.png,
-reward_vs_step.png, reward_vs_generated_tokens.png, reward_vs_wall_time.png, results.csv, summary.csv, groups.csv (per group of seeds: means and
+reward_vs_step.png, reward_vs_generated_tokens.png, reward_vs_wall_time.png, blame_on_error_vs_generated_tokens.png,
+blame_on_error_masked_vs_generated_tokens.png, results.csv, summary.csv, groups.csv (per group of seeds: means and
 standard errors) and report.html (self-contained). Label seeds of one algorithm ``NAME/seed<k>``.
 """
 

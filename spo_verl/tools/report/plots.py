@@ -1,5 +1,6 @@
-"""The report's six PNG plots: held-out accuracy and training reward against the training step, against
-cumulative generated tokens and against training wall time (matplotlib, Agg backend). One line per run; runs that are seeds of
+"""The report's PNG plots: held-out accuracy and training reward against the training step, against
+cumulative generated tokens and against training wall time, and where each step's advantages put a wrong
+answer's blame against cumulative generated tokens (matplotlib, Agg backend). One line per run; runs that are seeds of
 one group (labels ``NAME/seed<k>``) are drawn faint, with the group's mean over seeds and a band of one
 standard error on a common x grid (each seed interpolated linearly, within the x range all seeds
 reach). The accuracy plots also draw the base model's held-out accuracy (the validations at step 0) as a
@@ -30,6 +31,13 @@ PLOTS = {
                                   "training wall time, s (verl's step timer; validation excluded)"),
     "reward_vs_wall_time.png": ("training_reward", "cumulative_wall_time_s", "training reward (mean score)",
                                 "training wall time, s (verl's step timer; validation excluded)"),
+    # Where each step's advantages put a wrong answer's blame (spo/credit/*): every token, and the
+    # probability mask's tokens (what SPO's masked loss trains).
+    "blame_on_error_vs_generated_tokens.png": ("blame_on_error", "cumulative_generated_tokens",
+                                               "blame on the first wrong step (every token)", "cumulative generated tokens"),
+    "blame_on_error_masked_vs_generated_tokens.png": ("blame_on_error_masked", "cumulative_generated_tokens",
+                                                      "blame on the first wrong step (masked tokens)",
+                                                      "cumulative generated tokens"),
 }
 
 

@@ -31,6 +31,9 @@ REWARD_KEY = "critic/score/mean"
 WALL_TIME_KEY = "timing_s/step"
 TIMING_PREFIX = "timing_s/"
 # verl's step timers, in the order a step runs them; the step's other time is what none of them covers.
+# Where each step's advantages put a wrong answer's blame (algorithm.spo.credit_metrics), by StepRow field.
+CREDIT_KEYS = {"blame_on_error": "spo/credit/blame_on_error", "blame_on_error_masked": "spo/credit/blame_on_error_masked",
+               "blame_on_error_net": "spo/credit/blame_on_error_net"}
 PHASES = ("gen", "reward", "old_log_prob", "adv", "update_actor", "update_weights", "testing", "save_checkpoint")
 GENERATED_TOKENS_KEY = "spo/generated_tokens"  # spo_verl.adapters.trainer.token_budget, when the run logs it
 TREE_TOKENS_KEY = "spo/tree/generated_tokens"
@@ -49,6 +52,9 @@ class StepRow:
     wall_time_s: float | None
     cumulative_wall_time_s: float
     phase_s: dict[str, float] = field(default_factory=dict)  # PHASES that ran this step: seconds
+    blame_on_error: float | None = None  # CREDIT_KEYS, where the step logged them
+    blame_on_error_masked: float | None = None
+    blame_on_error_net: float | None = None
 
 
 @dataclass
@@ -142,6 +148,7 @@ def step_rows(steps: dict[int, dict], key: str | None) -> list[StepRow]:
             training_reward=data.get(REWARD_KEY), heldout_accuracy=data.get(key) if key else None,
             wall_time_s=wall, cumulative_wall_time_s=time_so_far,
             phase_s={phase: data[TIMING_PREFIX + phase] for phase in PHASES if TIMING_PREFIX + phase in data},
+            **{name: data.get(key) for name, key in CREDIT_KEYS.items()},
         ))
     return rows
 

@@ -8,11 +8,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from spo_verl.tools.report.runs import PHASES, Run
+from spo_verl.tools.report.runs import CREDIT_KEYS, PHASES, Run
 
 PHASE_COLUMNS = [f"{phase}_s" for phase in PHASES]  # verl's timing_s/<phase> of a step
 RESULT_COLUMNS = ["run", "algorithm", "seed", "step", "generated_tokens", "cumulative_generated_tokens", "training_reward",
-                  "heldout_accuracy", "wall_time_s", "cumulative_wall_time_s", *PHASE_COLUMNS]
+                  "heldout_accuracy", "wall_time_s", "cumulative_wall_time_s", *CREDIT_KEYS, *PHASE_COLUMNS]
 SUMMARY_COLUMNS = ["run", "algorithm", "steps", "base_heldout_accuracy", "final_heldout_accuracy", "best_heldout_accuracy",
                    "final_training_reward", "total_generated_tokens", "total_wall_time_s", "accuracy_metric"]
 
