@@ -676,9 +676,14 @@ def test_study_resumes_a_killed_run_and_skips_a_finished_one(runs):
     assert chain["steps"] >= 1 and chain["generated_tokens"] > 0 and "final_sampled_accuracy" not in chain
     report = study.output / "report"
     for name in ("accuracy_vs_step.png", "accuracy_vs_generated_tokens.png", "accuracy_vs_wall_time.png",
-                 "reward_vs_step.png", "reward_vs_generated_tokens.png", "reward_vs_wall_time.png", "results.csv",
-                 "summary.csv", "groups.csv", "report.html"):
+                 "reward_vs_step.png", "reward_vs_generated_tokens.png", "reward_vs_wall_time.png",
+                 "blame_on_error_vs_generated_tokens.png", "blame_on_error_masked_vs_generated_tokens.png",
+                 "results.csv", "summary.csv", "groups.csv", "report.html"):
         assert (report / name).stat().st_size > 0, name
+    # Every training step logged where its blame went (the cpu-tiny setting's credit metrics), per run.
+    with open(report / "results.csv") as handle:
+        trained = [row for row in csv.DictReader(handle) if row["step"] != "0"]
+    assert trained and all(0 <= float(row["blame_on_error"]) <= 1 for row in trained)
     page = (report / "report.html").read_text()
     assert "<svg" in page and "SPO tree" in page and "data:image/png;base64," in page
     assert "Where the credit goes: SPO-tree against GRPO" in page and "GRPO: A " in page
