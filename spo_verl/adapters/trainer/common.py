@@ -13,7 +13,7 @@ import numpy as np
 
 from spo_verl.core.batch_context import SPOBatchContext
 from spo_verl.core.config import SPOSettings, parse_spo_settings
-from spo_verl.core.metadata import (EPISODE_FIELD, SPO_ALGORITHMS, SPO_FIELD, ChainRow, CutpointTreeStatistics,
+from spo_verl.core.metadata import (EPISODE_FIELD, SPO_ALGORITHMS, ChainRow, CutpointTreeStatistics,
                                     EpisodeStatistics, TreeLeafRow, episode_from_extra_field)
 from spo_verl.adapters.agent_loops.episode_agent_loop import EPISODE_AGENT_LOOP  # a multi-turn task's answer is an episode
 from spo_verl.adapters.policy_loss import LOSS_NAME, spo_ppo_loss
@@ -105,7 +105,7 @@ def install_spo_actor_loss(actor_worker_group: Any, config: Any) -> bool:
     return True
 
 
-def spo_rows_from_extra_fields(extra_fields: Sequence[Any], field: str = SPO_FIELD) -> list[Mapping | None]:
+def extra_field_values(extra_fields: Sequence[Any], field: str) -> list[Mapping | None]:
     rows = []
     for value in extra_fields:
         value = getattr(value, "data", value)  # TransferQueue hands back NonTensorData
@@ -181,7 +181,7 @@ TREE_VALUE_PREFIX = "spo/tree/value_mean/depth"
 
 def episodes_from_extra_fields(extra_fields: Sequence[Any]) -> list[EpisodeStatistics | None]:
     """Each row's multi-turn episode (None for a row that is none, or a copy that trains nothing)."""
-    return [episode_from_extra_field(value) for value in spo_rows_from_extra_fields(extra_fields, EPISODE_FIELD)]
+    return [episode_from_extra_field(value) for value in extra_field_values(extra_fields, EPISODE_FIELD)]
 
 
 def turn_metrics(episodes: Sequence[EpisodeStatistics | None], rows: Sequence[ChainRow | TreeLeafRow | None] = (),

@@ -39,16 +39,16 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.workers.utils.padding import response_to_nested
 
 from spo_verl.core.batch_context import provide_spo_rows
-from spo_verl.core.metadata import EPISODE_FIELD
+from spo_verl.core.metadata import EPISODE_FIELD, SPO_FIELD
 from spo_verl.adapters.trainer.common import (
     TRAINER_MODE,
     batch_metrics,
     check_no_per_row_rollout_n,
     episodes_from_extra_fields,
+    extra_field_values,
     install_spo_actor_loss,
     lift_spo_metrics,
     plain_validation,
-    spo_rows_from_extra_fields,
     spo_settings_of,
     turn_metrics,
     uses_spo_metadata,
@@ -122,7 +122,7 @@ class SPOTrainer(PPOTrainerSync):
         stored = tq.kv_batch_get(
             keys=batch.keys, partition_id=batch.partition_id, select_fields=["extra_fields", "response_mask", "uid"]
         )
-        rows = spo_rows_from_extra_fields(list(stored["extra_fields"]))
+        rows = extra_field_values(list(stored["extra_fields"]), SPO_FIELD)
         with provide_spo_rows(rows, spo_settings_of(self)) as context:
             batch = super()._compute_advantage(batch, metrics)
         response_mask = stored["response_mask"]
@@ -171,7 +171,7 @@ class SPOTrainer(PPOTrainerSync):
         fields = {name: list(data[name].unbind()) for name in data.keys()}
         masks = list(stored["response_mask"].unbind())
         uids = _stored_uids(stored)
-        episodes = spo_rows_from_extra_fields(list(stored["extra_fields"]), EPISODE_FIELD)
+        episodes = extra_field_values(list(stored["extra_fields"]), EPISODE_FIELD)
         return [SampledResponse.of_row(context, i, uids[i], fields["prompts"][j].tolist(), fields["responses"][j].tolist(),
                                        fields["old_log_probs"][j], masks[i], fields["advantages"][j],
                                        float(fields["rm_scores"][j].sum()), episodes[i])
