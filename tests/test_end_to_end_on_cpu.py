@@ -680,11 +680,15 @@ def test_study_resumes_a_killed_run_and_skips_a_finished_one(runs):
                  "blame_on_error_vs_generated_tokens.png", "blame_on_error_masked_vs_generated_tokens.png",
                  "results.csv", "summary.csv", "groups.csv", "report.html"):
         assert (report / name).stat().st_size > 0, name
-    # Where each step's blame went (the cpu-tiny setting's credit metrics; a step without a placed wrong
-    # answer has no share): some step of the study's runs has one, and every share is one.
+    # Where each step's blame went, as each run logged it (the cpu-tiny setting's credit metrics; a step
+    # with no blamed wrong answer logs no share and has an empty cell).
     with open(report / "results.csv") as handle:
-        shares = [float(row["blame_on_error"]) for row in csv.DictReader(handle) if row["blame_on_error"] != ""]
-    assert shares and all(0 <= share <= 1 for share in shares)
+        rows = {(row["run"], int(row["step"])): row for row in csv.DictReader(handle)}
+    for algorithm in STUDY_ALGORITHMS:
+        for step, data in read_logged_steps(study.folder(algorithm) / "metrics.jsonl"):
+            cell = rows[(f"{algorithm}/seed0", step)]["blame_on_error"]
+            logged = data.get("spo/credit/blame_on_error")
+            assert (cell == "") if logged is None else float(cell) == pytest.approx(logged), (algorithm, step, cell, logged)
     page = (report / "report.html").read_text()
     assert "<svg" in page and "SPO tree" in page and "data:image/png;base64," in page
     assert "Where the credit goes: SPO-tree against GRPO" in page and "GRPO: A " in page
