@@ -129,6 +129,7 @@ def recorded_runs(tmp_path_factory):
         tree_steps.append((step, training_step(0.3 + 0.1 * step, 10.0, 900, 10.0, 5.0,
                                                **{"spo/tree/generated_tokens": 100.0 + step, **validation,
                                                   "spo/credit/blame_on_error": 0.1 * step, "spo/credit/blame_on_error_masked": 0.2,
+                                                  "spo/trained_tokens": 40.0 + step,
                                                   "timing_s/gen": 4.0, "timing_s/update_actor": 3.0,
                                                   **({"timing_s/testing": 1.5} if validation else {})})))
         chain_steps.append((step, training_step(0.25 + 0.1 * step, 20.0, 1000, 10.0, 15.0,
@@ -203,6 +204,8 @@ def test_results_csv_has_one_row_per_run_and_step_with_the_recorded_numbers(reco
     # Where the blame went, as the step logged it (spo/credit/*); a run or step that logged none: empty.
     assert float(tree["blame_on_error"]) == pytest.approx(0.3) and float(tree["blame_on_error_masked"]) == pytest.approx(0.2)
     assert tree["blame_on_error_net"] == "" and grpo["blame_on_error"] == ""
+    # Trained tokens as the SPO estimator logged them; verl's baselines log none.
+    assert float(tree["trained_tokens"]) == 43 and grpo["trained_tokens"] == ""
     assert float(chain["wall_time_s"]) == 20 and float(chain["cumulative_wall_time_s"]) == 60
     # Wall time by phase, from verl's timing_s/<phase> (empty where a phase did not run).
     assert float(tree["gen_s"]) == 4 and float(tree["update_actor_s"]) == 3 and tree["testing_s"] == ""
@@ -212,6 +215,8 @@ def test_results_csv_has_one_row_per_run_and_step_with_the_recorded_numbers(reco
     assert float(summary["SPO-tree"]["final_heldout_accuracy"]) == pytest.approx(0.5)
     assert float(summary["GRPO+mask"]["best_heldout_accuracy"]) == pytest.approx(0.3)
     assert float(summary["SPO-chain"]["total_generated_tokens"]) == 4000
+    assert float(summary["SPO-tree"]["total_trained_tokens"]) == 41 + 42 + 43 + 44
+    assert summary["GRPO+mask"]["total_trained_tokens"] == ""
     assert summary["SPO-tree"]["algorithm"] == "spo_tree" and summary["SPO-tree"]["accuracy_metric"] == ACCURACY
     assert summary["GRPO+mask"]["algorithm"] == "grpo_prob_mask"  # grpo with the spo_prob_mask loss
     assert float(summary["SPO-tree"]["gen_s"]) == 16 and float(summary["SPO-tree"]["testing_s"]) == 3
@@ -292,7 +297,8 @@ def test_seeds_of_one_algorithm_are_summarised_with_their_standard_error(tmp_pat
     for algorithm, values in finals.items():
         for seed, final in enumerate(values):
             steps = [(0, {ACCURACY: 0.25})]
-            steps += [(step, training_step(0.5, 10.0, 1000, 10, 15, **{"spo/generated_tokens": 100.0 + seed}))
+            trained = {"spo/trained_tokens": 10.0 * (seed + 1)} if algorithm == "spo_tree" else {}
+            steps += [(step, training_step(0.5, 10.0, 1000, 10, 15, **{"spo/generated_tokens": 100.0 + seed, **trained}))
                       for step in (1, 2, 3)]
             steps += [(2, {ACCURACY: 0.1}), (3, {ACCURACY: final})]
             path = log_metrics(tmp_path / f"{algorithm}-{seed}.jsonl", steps, monkeypatch)
@@ -310,6 +316,7 @@ def test_seeds_of_one_algorithm_are_summarised_with_their_standard_error(tmp_pat
     assert float(grpo["final_heldout_accuracy_se"]) == pytest.approx(0.05)  # std 0.0707 / sqrt(2)
     assert float(grpo["best_heldout_accuracy_mean"]) == pytest.approx(0.25)  # not the base model's 0.25 + ...
     assert float(tree["generated_tokens_mean"]) == pytest.approx(3 * 101)
+    assert float(tree["trained_tokens_mean"]) == pytest.approx(3 * 20) and grpo["trained_tokens_mean"] == ""
     with written["summary.csv"].open() as handle:
         summary = {r["run"]: r for r in csv.DictReader(handle)}
     assert float(summary["grpo/seed0"]["best_heldout_accuracy"]) == pytest.approx(0.2)  # step 0's 0.25 left out

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from spo_verl.tools.study.verdict import at_budget, main, paired, t_quantile, validations
+from spo_verl.tools.study.verdict import Arm, arms, at_budget, main, paired, t_quantile, validations
 
 
 def test_accuracy_at_the_budget_is_interpolated_between_the_validations_around_it():
@@ -64,17 +64,33 @@ def test_the_command_reads_finished_runs_and_writes_each_runs_value(tmp_path, ca
             lines = [{"step": 0, "data": {key: 0.1}},
                      {"step": 1, "data": {key: 0.1 + gain, "spo/generated_tokens_cumulative": 1000.0}}]
             (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-            (folder / "done.json").write_text("{}")
+            sampled = {"final_sampled_accuracy": 0.05 + gain} if algorithm == "spo" or seed == 0 else {}
+            (folder / "done.json").write_text(json.dumps(sampled))
     unfinished = tmp_path / "spo" / "seed2"
     unfinished.mkdir()
     (unfinished / "metrics.jsonl").write_text(json.dumps({"step": 0, "data": {key: 0.1}}) + "\n")
     assert main(["--output-dir", str(tmp_path), "--budget", "500", "--compare", "spo-grpo", "--csv",
                  str(tmp_path / "runs.csv")]) == 0
-    result = json.loads(capsys.readouterr().out.splitlines()[-1])[0]
+    out = capsys.readouterr().out
+    result = json.loads(out.splitlines()[-1])[0]
     # At 500 tokens: half way from the base model (0.1) to each run's step-1 accuracy.
     assert result["differences"] == pytest.approx([0.05, 0.1]) and result["seeds"] == [0, 1]
+    # Each run's final sampled accuracy beside it (grpo's seed 1 had no sampled validation).
     assert (tmp_path / "runs.csv").read_text().splitlines() == [
-        "algorithm,seed,accuracy_at_budget", "grpo,0,0.150000", "grpo,1,0.150000", "spo,0,0.200000", "spo,1,0.250000"]
+        "algorithm,seed,accuracy_at_budget,final_sampled_accuracy", "grpo,0,0.150000,0.150000", "grpo,1,0.150000,",
+        "spo,0,0.200000,0.250000", "spo,1,0.250000,0.350000"]
+    # Secondary: each arm at the budget (0.225 +- 0.025 and 0.150 +- 0), and the sampled accuracy's one
+    # complete pair, too few seeds for an interval.
+    assert "| spo | 2 | 0.225 | 0.025 |" in out and "| grpo | 2 | 0.150 | 0.000 |" in out
+    assert "| grpo | 1 | 0.150 | - |" in out
+    sampled_pair = out.split("sampled accuracy")[1].split("The declared comparisons")[0]
+    assert "| spo minus grpo | 1 | +10.0 | - | [-, -] | - | not resolved (too few seeds) |" in sampled_pair
+
+
+def test_each_arm_is_its_mean_over_the_seeds_with_a_value_and_their_standard_error():
+    at = {("a", 0): 0.2, ("a", 1): 0.4, ("a", 2): None, ("b", 0): 0.3}
+    assert arms(at) == [Arm("a", 2, pytest.approx(0.3), pytest.approx(0.1)), Arm("b", 1, 0.3, None)]
+    assert arms({("c", 0): None}) == [Arm("c", 0, None, None)]
 
 
 def test_the_tuning_rule_takes_each_algorithms_best_rate_and_the_lower_one_on_a_tie(tmp_path, capsys):

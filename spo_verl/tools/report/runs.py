@@ -13,6 +13,8 @@ Per step (``StepRow``):
   ``response_length/mean``) (rounded), response tokens = rows x ``response_length/mean``. (verl counts
   padding rows it adds for data-parallel balancing in ``perf/total_num_tokens`` but not in the means;
   the recipe's baselines never need any.)
+* trained tokens: ``spo/trained_tokens`` (response tokens whose segment the step trains: non-zero
+  advantage, each tree segment once), logged by the SPO estimators only; empty for verl's baselines;
 * wall time: ``timing_s/step``, and by phase verl's other ``timing_s/*`` timers (``PHASES``: generation,
   reward, old log-probs, advantages, actor update, weight sync, validation, checkpoint).
 The algorithm is recognised from the metrics themselves (``spo/tree/*``, ``spo/chain/*``).
@@ -36,6 +38,7 @@ CREDIT_KEYS = {"blame_on_error": "spo/credit/blame_on_error", "blame_on_error_ma
                "blame_on_error_net": "spo/credit/blame_on_error_net"}
 PHASES = ("gen", "reward", "old_log_prob", "adv", "update_actor", "update_weights", "testing", "save_checkpoint")
 GENERATED_TOKENS_KEY = "spo/generated_tokens"  # spo_verl.adapters.trainer.token_budget, when the run logs it
+TRAINED_TOKENS_KEY = "spo/trained_tokens"
 TREE_TOKENS_KEY = "spo/tree/generated_tokens"
 CHAIN_MC_TOKENS_KEY = "spo/chain/mc_tokens"
 ACCURACY_PREFIX, ACCURACY_SUFFIX = "val-core/", "/acc/mean@1"
@@ -49,6 +52,7 @@ class StepRow:
     cumulative_generated_tokens: float
     training_reward: float | None
     heldout_accuracy: float | None
+    trained_tokens: float | None
     wall_time_s: float | None
     cumulative_wall_time_s: float
     phase_s: dict[str, float] = field(default_factory=dict)  # PHASES that ran this step: seconds
@@ -146,6 +150,7 @@ def step_rows(steps: dict[int, dict], key: str | None) -> list[StepRow]:
         rows.append(StepRow(
             step=step, generated_tokens=tokens, cumulative_generated_tokens=tokens_so_far,
             training_reward=data.get(REWARD_KEY), heldout_accuracy=data.get(key) if key else None,
+            trained_tokens=data.get(TRAINED_TOKENS_KEY),
             wall_time_s=wall, cumulative_wall_time_s=time_so_far,
             phase_s={phase: data[TIMING_PREFIX + phase] for phase in PHASES if TIMING_PREFIX + phase in data},
             **{name: data.get(key) for name, key in CREDIT_KEYS.items()},

@@ -16,6 +16,11 @@ a two-sided Student-t interval at ``--level`` (the declared level: 97.5 % for tw
 Bonferroni), and the minimum detectable difference: the true difference the study would find with 80 %
 power at that level, ``(t_(level) + t_(0.8)) * se``. The verdict: "better" when the interval lies above
 0, "worse" when below, else "not resolved", with the interval as the differences it rules out.
+
+**Secondary, labelled so.** Each arm's mean accuracy at the budget over its seeds, and the same pairs
+on the final policy's sampled accuracy (``final_sampled_accuracy`` in a run's ``done.json``, written by
+``compare --sampled-validation N``: N answers a problem at the training temperature, after the run's
+last step, so a little past the budget), read with the same test.
 """
 
 from __future__ import annotations
@@ -129,14 +134,50 @@ def paired(at: dict[tuple[str, int], float | None], algorithm: str, reference: s
     return Paired(algorithm, reference, tuple(seeds), differences, mean, se, mean - t * se, mean + t * se, detectable, level)
 
 
-def study_at_budget(output_dir: Path, budget: float) -> dict[tuple[str, int], float | None]:
-    """Every finished run's accuracy at the budget, from its merged metrics (``metrics.jsonl``)."""
-    at = {}
+def _finished_runs(output_dir: Path):
+    """``((algorithm, seed), run folder)`` of every run with its ``done.json``."""
     for metrics in sorted(output_dir.glob("*/seed*/metrics.jsonl")):
         if (metrics.parent / "done.json").exists():
-            at[(metrics.parent.parent.name, int(metrics.parent.name.removeprefix("seed")))] = at_budget(
-                validations(read_logged_steps(metrics)), budget)
-    return at
+            yield (metrics.parent.parent.name, int(metrics.parent.name.removeprefix("seed"))), metrics.parent
+
+
+def study_at_budget(output_dir: Path, budget: float) -> dict[tuple[str, int], float | None]:
+    """Every finished run's accuracy at the budget, from its merged metrics (``metrics.jsonl``)."""
+    return {run: at_budget(validations(read_logged_steps(folder / "metrics.jsonl")), budget)
+            for run, folder in _finished_runs(output_dir)}
+
+
+def study_final_sampled(output_dir: Path) -> dict[tuple[str, int], float | None]:
+    """Every finished run's final sampled accuracy (None where the run had no sampled validation)."""
+    return {run: json.loads((folder / "done.json").read_text() or "{}").get("final_sampled_accuracy")
+            for run, folder in _finished_runs(output_dir)}
+
+
+@dataclass(frozen=True)
+class Arm:
+    algorithm: str
+    seeds: int
+    mean: float | None
+    se: float | None  # over seeds; None below 2
+
+
+def arms(at: dict[tuple[str, int], float | None]) -> list[Arm]:
+    """Each algorithm's mean over the seeds that have a value, with its standard error."""
+    result = []
+    for name in sorted({name for name, _ in at}):
+        values = [v for (n, _), v in sorted(at.items()) if n == name and v is not None]
+        mean = sum(values) / len(values) if values else None
+        se = (math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values))
+              if len(values) > 1 else None)
+        result.append(Arm(name, len(values), mean, se))
+    return result
+
+
+def render_arms(rows: list[Arm]) -> str:
+    lines = ["| arm | seeds | mean | se over seeds |", "|---|---|---|---|"]
+    lines += [f"| {a.algorithm} | {a.seeds} | {'-' if a.mean is None else f'{a.mean:.3f}'} | "
+              f"{'-' if a.se is None else f'{a.se:.3f}'} |" for a in rows]
+    return "\n".join(lines)
 
 
 def render(results: list[Paired]) -> str:
@@ -164,14 +205,23 @@ def main(argv=None) -> int:
     if any(len(pair) != 2 for pair in pairs):
         parser.error(f"--compare takes algorithm-reference pairs, got {args.compare!r}")
     at = study_at_budget(args.output_dir, args.budget)
+    sampled = study_final_sampled(args.output_dir)
+    cell = lambda value: "" if value is None else f"{value:.6f}"  # noqa: E731
     if args.csv:
         with open(args.csv, "w", newline="") as handle:
             writer = csv.writer(handle)
-            writer.writerow(["algorithm", "seed", "accuracy_at_budget"])
-            writer.writerows([name, seed, "" if value is None else f"{value:.6f}"] for (name, seed), value in sorted(at.items()))
+            writer.writerow(["algorithm", "seed", "accuracy_at_budget", "final_sampled_accuracy"])
+            writer.writerows([name, seed, cell(value), cell(sampled.get((name, seed)))] for (name, seed), value in sorted(at.items()))
     for (name, seed), value in sorted(at.items()):
         print(f"{name}/seed{seed}: accuracy at {args.budget:,.0f} tokens: {'-' if value is None else f'{value:.4f}'}")
     results = [paired(at, algorithm, reference, args.level) for algorithm, reference in pairs]
+    print(f"Greedy accuracy at {args.budget:,.0f} tokens, each arm (secondary):")
+    print(render_arms(arms(at)))
+    if any(value is not None for value in sampled.values()):
+        print("The final policy's sampled accuracy, each arm and the same pairs (secondary):")
+        print(render_arms(arms(sampled)))
+        print(render([paired(sampled, algorithm, reference, args.level) for algorithm, reference in pairs]))
+    print(f"The declared comparisons: greedy accuracy at {args.budget:,.0f} tokens, paired seeds:")
     print(render(results))
     print(json.dumps([{**r.__dict__, "verdict": r.verdict} for r in results]))
     return 0
