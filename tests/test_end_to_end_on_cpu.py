@@ -225,7 +225,7 @@ README_STEPS = 2  # of the setting's 4: each SmolLM2 step costs about a minute o
 # The run's problems (SMOLLM2_TASK): SPO-tree trains nothing in a step whose trees' leaves all agree, and
 # the test needs an update to check the tied head's sync. The default task's samples agree on 62 % of
 # prompts, so both steps' 8 trees agreed in about 2 % of runs (a CI run failed so); add_add's agree on
-# 36 % (docs/RESULTS.md's calibration), so about 3 in 10,000 runs train nothing.
+# 36 % (`python -m spo_verl.tools.study.calibration --tasks add_add`), so about 3 in 10,000 runs train nothing.
 README_TASK = "add_add"
 
 
