@@ -133,7 +133,9 @@ def recorded_runs(tmp_path_factory):
                                                   "timing_s/gen": 4.0, "timing_s/update_actor": 3.0,
                                                   **({"timing_s/testing": 1.5} if validation else {})})))
         chain_steps.append((step, training_step(0.25 + 0.1 * step, 20.0, 1000, 10.0, 15.0,
-                                                **{"spo/chain/mc_tokens": 400.0, **validation})))
+                                                **{"spo/chain/mc_tokens": 400.0, **validation,
+                                                   "spo/turns/turns_per_episode": 2.0,
+                                                   "spo/turns/value_before_turn2": 0.1 * step})))
         grpo_steps.append((step, training_step(0.2 + 0.05 * step, 5.0, 1000, 10.0, 15.0,
                                                **({ACCURACY: 0.1 + 0.05 * step} if step % 2 == 0 else {}))))
     for label, steps, record in (("SPO-tree", tree_steps, tree_record), ("SPO-chain", chain_steps, chain_record),
@@ -221,6 +223,12 @@ def test_results_csv_has_one_row_per_run_and_step_with_the_recorded_numbers(reco
     assert summary["GRPO+mask"]["algorithm"] == "grpo_prob_mask"  # grpo with the spo_prob_mask loss
     assert float(summary["SPO-tree"]["gen_s"]) == 16 and float(summary["SPO-tree"]["testing_s"]) == 3
     assert float(summary["SPO-chain"]["gen_s"]) == 0
+    # The multi-turn metrics (spo/turns/*) of the one run that logged them, every step, in long form.
+    with (recorded_runs / "turns.csv").open() as handle:
+        turns = list(csv.DictReader(handle))
+    assert {r["run"] for r in turns} == {"SPO-chain"} and len(turns) == 4 * 2
+    by_metric = {(int(r["step"]), r["metric"]): float(r["value"]) for r in turns}
+    assert by_metric[(3, "value_before_turn2")] == pytest.approx(0.3) and by_metric[(1, "turns_per_episode")] == 2
 
 
 def test_the_page_is_self_contained_and_shows_the_segments_and_the_tree(recorded_runs):
@@ -304,6 +312,7 @@ def test_seeds_of_one_algorithm_are_summarised_with_their_standard_error(tmp_pat
             path = log_metrics(tmp_path / f"{algorithm}-{seed}.jsonl", steps, monkeypatch)
             arguments.append(f"{algorithm}/seed{seed}={path}")
     written = build_report(arguments, tmp_path / "report")
+    assert "turns.csv" not in written and not (tmp_path / "report" / "turns.csv").exists()  # no multi-turn run
     with written["results.csv"].open() as handle:
         rows = list(csv.DictReader(handle))
     assert {(r["run"], r["seed"]) for r in rows} == {(f"{a}/seed{s}", str(s)) for a in finals for s in range(len(finals[a]))}

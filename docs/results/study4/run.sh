@@ -58,7 +58,7 @@ cd "$repo"
 "$python" -m spo_verl.tools.study.compare --report-only --task dialogue2 --algorithms "$arms" --seeds 0,1,2,3 \
   --output-dir "$clone/outputs/study4"
 # The report's tables, its page and the plots the page shows, beside the archive.
-kept=(results.csv summary.csv groups.csv table.md heldout_answers.csv report.html accuracy_vs_generated_tokens.png
+kept=(results.csv summary.csv groups.csv turns.csv table.md heldout_answers.csv report.html accuracy_vs_generated_tokens.png
       accuracy_vs_wall_time.png reward_vs_generated_tokens.png blame_on_error_vs_generated_tokens.png
       blame_on_error_masked_vs_generated_tokens.png)
 copied=()

@@ -3,7 +3,8 @@
 Writes DIR/accuracy_vs_step.png, accuracy_vs_generated_tokens.png, accuracy_vs_wall_time.png,
 reward_vs_step.png, reward_vs_generated_tokens.png, reward_vs_wall_time.png, blame_on_error_vs_generated_tokens.png,
 blame_on_error_masked_vs_generated_tokens.png, results.csv, summary.csv, groups.csv (per group of seeds: means and
-standard errors) and report.html (self-contained). Label seeds of one algorithm ``NAME/seed<k>``.
+standard errors), turns.csv (multi-turn runs' spo/turns/* metrics, when any run logged them) and report.html
+(self-contained). Label seeds of one algorithm ``NAME/seed<k>``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from pathlib import Path
 from spo_verl.tools.report.page import render_page
 from spo_verl.tools.report.plots import write_plots
 from spo_verl.tools.report.runs import load_run, parse_run_argument
-from spo_verl.tools.report.tables import summarize, summarize_groups, write_group_csv, write_results_csv, write_summary_csv
+from spo_verl.tools.report.tables import (summarize, summarize_groups, write_group_csv, write_results_csv, write_summary_csv,
+                                         write_turns_csv)
 
 
 def build_report(run_arguments: list[str], output: str | Path, title: str = "SPO versus GRPO",
@@ -30,6 +32,8 @@ def build_report(run_arguments: list[str], output: str | Path, title: str = "SPO
     written["summary.csv"] = write_summary_csv(summaries, output / "summary.csv")
     groups = summarize_groups(runs, summaries)
     written["groups.csv"] = write_group_csv(groups, output / "groups.csv")
+    if (turns := write_turns_csv(runs, output / "turns.csv")) is not None:
+        written["turns.csv"] = turns
     page = output / "report.html"
     page.write_text(render_page(title, runs, summaries, plots, responses, groups), encoding="utf-8")
     written["report.html"] = page

@@ -15,6 +15,8 @@ Per step (``StepRow``):
   the recipe's baselines never need any.)
 * trained tokens: ``spo/trained_tokens`` (response tokens whose segment the step trains: non-zero
   advantage, each tree segment once), logged by the SPO estimators only; empty for verl's baselines;
+* multi-turn episodes: every ``spo/turns/*`` metric the step logged (turns and environment-reply tokens
+  an episode, how episodes ended, SPO's values before each turn), by name without the prefix;
 * wall time: ``timing_s/step``, and by phase verl's other ``timing_s/*`` timers (``PHASES``: generation,
   reward, old log-probs, advantages, actor update, weight sync, validation, checkpoint).
 The algorithm is recognised from the metrics themselves (``spo/tree/*``, ``spo/chain/*``).
@@ -39,6 +41,7 @@ CREDIT_KEYS = {"blame_on_error": "spo/credit/blame_on_error", "blame_on_error_ma
 PHASES = ("gen", "reward", "old_log_prob", "adv", "update_actor", "update_weights", "testing", "save_checkpoint")
 GENERATED_TOKENS_KEY = "spo/generated_tokens"  # spo_verl.adapters.trainer.token_budget, when the run logs it
 TRAINED_TOKENS_KEY = "spo/trained_tokens"
+TURNS_PREFIX = "spo/turns/"
 TREE_TOKENS_KEY = "spo/tree/generated_tokens"
 CHAIN_MC_TOKENS_KEY = "spo/chain/mc_tokens"
 ACCURACY_PREFIX, ACCURACY_SUFFIX = "val-core/", "/acc/mean@1"
@@ -59,6 +62,7 @@ class StepRow:
     blame_on_error: float | None = None  # CREDIT_KEYS, where the step logged them
     blame_on_error_masked: float | None = None
     blame_on_error_net: float | None = None
+    turns: dict[str, float] = field(default_factory=dict)  # spo/turns/<name>: value, where the step logged them
 
 
 @dataclass
@@ -154,6 +158,7 @@ def step_rows(steps: dict[int, dict], key: str | None) -> list[StepRow]:
             wall_time_s=wall, cumulative_wall_time_s=time_so_far,
             phase_s={phase: data[TIMING_PREFIX + phase] for phase in PHASES if TIMING_PREFIX + phase in data},
             **{name: data.get(key) for name, key in CREDIT_KEYS.items()},
+            turns={k.removeprefix(TURNS_PREFIX): v for k, v in data.items() if k.startswith(TURNS_PREFIX)},
         ))
     return rows
 

@@ -1,5 +1,6 @@
-"""The report's numbers as CSV: every step of every run (``results.csv``) and one summary line per run
-(``summary.csv``)."""
+"""The report's numbers as CSV: every step of every run (``results.csv``), one summary line per run
+(``summary.csv``), per group of seeds (``groups.csv``) and, for multi-turn runs, every step's
+``spo/turns/*`` metrics in long form (``turns.csv``: run, algorithm, seed, step, metric, value)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,19 @@ def write_results_csv(runs: Sequence[Run], path: Path) -> Path:
                 writer.writerow([run.label, run.algorithm, _cell(run.seed), row.step,
                                  *(_cell(getattr(row, c)) for c in RESULT_COLUMNS[4:-len(PHASES)]),
                                  *(_cell(row.phase_s.get(phase)) for phase in PHASES)])
+    return path
+
+
+def write_turns_csv(runs: Sequence[Run], path: Path) -> Path | None:
+    """None (and no file) when no run logged a turn metric."""
+    rows = [[run.label, run.algorithm, _cell(run.seed), row.step, name, _cell(value)]
+            for run in runs for row in run.steps for name, value in sorted(row.turns.items())]
+    if not rows:
+        return None
+    with path.open("w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["run", "algorithm", "seed", "step", "metric", "value"])
+        writer.writerows(rows)
     return path
 
 
