@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The third study's seed runs (docs/STUDY.md), resumable across machines that keep no disk: trains in a
 # clone of this repository at the tuning's commit, with its own .venv, after putting back the runs this
-# folder already holds; every run that finishes is archived here and committed at once, and when every
-# run is in, the verdict and the report's tables are written here and committed.
+# folder already holds; every run that finishes is archived here and committed at once. When the primary
+# arms' runs are in, the verdict and the report's tables are written here and committed, and again when
+# the secondary arm's are.
 #   bash docs/results/study3/run.sh [CLONE]      # CLONE: where the clone goes (default ../study3)
 # Stop it by ending its process group; run it again to go on.
 set -euo pipefail
@@ -25,32 +26,37 @@ finished() {  # finished ALGORITHMS SEEDS: every run has its done.json
     [[ -f "outputs/study3/$algorithm/seed$seed/done.json" ]] || { echo "run.sh: $algorithm/seed$seed unfinished; run again" >&2; return 1; }
   done; done
 }
+# The verdict at the budget and the report's tables (per step, per run with seconds by phase and trained
+# tokens, per arm, the final table), its page and the plots it shows, of the runs in: kept here, committed.
+close_study() {  # close_study WHICH-RUNS
+  (cd "$repo"
+   "$python" -m spo_verl.tools.study.verdict --output-dir "$here/runs" --budget 16000 --level 0.975 \
+     --compare spo_tree_cutpoint-grpo_prob_mask,spo_tree_cutpoint-grpo --csv "$here/at_budget.csv" > "$here/verdict.txt"
+   "$python" -m spo_verl.tools.study.compare --report-only --task steps4 \
+     --algorithms spo_tree_cutpoint,grpo_prob_mask,grpo,spo_chain --seeds 0,1,2,3,4,5,6,7 --output-dir "$clone/outputs/study3")
+  local kept=(results.csv summary.csv groups.csv table.md heldout_answers.csv report.html accuracy_vs_generated_tokens.png
+              accuracy_vs_wall_time.png reward_vs_generated_tokens.png blame_on_error_vs_generated_tokens.png
+              blame_on_error_masked_vs_generated_tokens.png)
+  local copied=() file
+  for file in "${kept[@]}"; do
+    if [[ -f "$clone/outputs/study3/report/$file" ]]; then cp "$clone/outputs/study3/report/$file" "$repo/$here/"; copied+=("$here/$file")
+    else echo "run.sh: the report wrote no $file" >&2; fi
+  done
+  commit_paths "$study: $1; the verdict at 16,000 tokens and the report's tables" \
+    "$here"/{at_budget.csv,verdict.txt} "${copied[@]}"
+}
+
 cd "$clone"
 primary=spo_tree_cutpoint,grpo_prob_mask,grpo
 bash scripts/compare.sh --task steps4 --algorithms "$primary" --seeds 0,1,2,3,4,5,6,7 \
   --lr spo_tree_cutpoint=5e-6,grpo_prob_mask=5e-6,grpo=5e-6 --token-budget 18000 --max-steps 40 --val-every 5 \
   --sampled-validation 4 --output-dir outputs/study3 || true
 finished "$primary" 0,1,2,3,4,5,6,7
+archive_finished
+# The declared comparisons need only the primary arms: their verdict is kept before SPO-chain's runs.
+if [[ ! -f "$repo/$here/verdict.txt" ]]; then close_study "the primary arms' runs in"; fi
 bash scripts/compare.sh --task steps4 --algorithms spo_chain --seeds 0,1,2 --lr 1e-5 --token-budget 18000 \
   --max-steps 40 --val-every 5 --sampled-validation 4 --output-dir outputs/study3 || true
 finished spo_chain 0,1,2
 archive_finished
-
-# Every run in (finished stops this script otherwise): the verdict at the budget and the report's tables
-# (per step, per run with seconds by phase, per arm, the final table), kept here and committed.
-cd "$repo"
-"$python" -m spo_verl.tools.study.verdict --output-dir "$here/runs" --budget 16000 --level 0.975 \
-  --compare spo_tree_cutpoint-grpo_prob_mask,spo_tree_cutpoint-grpo --csv "$here/at_budget.csv" > "$here/verdict.txt"
-"$python" -m spo_verl.tools.study.compare --report-only --task steps4 \
-  --algorithms spo_tree_cutpoint,grpo_prob_mask,grpo,spo_chain --seeds 0,1,2,3,4,5,6,7 --output-dir "$clone/outputs/study3"
-# The report's tables, its page and the plots the page shows, beside the archive.
-kept=(results.csv summary.csv groups.csv table.md heldout_answers.csv report.html accuracy_vs_generated_tokens.png
-      accuracy_vs_wall_time.png reward_vs_generated_tokens.png blame_on_error_vs_generated_tokens.png
-      blame_on_error_masked_vs_generated_tokens.png)
-copied=()
-for file in "${kept[@]}"; do
-  if [[ -f "$clone/outputs/study3/report/$file" ]]; then cp "$clone/outputs/study3/report/$file" "$here/"; copied+=("$here/$file")
-  else echo "run.sh: the report wrote no $file" >&2; fi
-done
-commit_paths "$study: every run in; the verdict at 16,000 tokens and the report's tables" \
-  "$here"/{at_budget.csv,verdict.txt} "${copied[@]}"
+close_study "every run in"
