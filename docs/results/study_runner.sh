@@ -23,6 +23,20 @@ commit_paths() {  # commit_paths MESSAGE PATH...: another git command may hold t
   echo "study_runner: could not commit $* (the files are in place; commit them by hand)" >&2
 }
 
+# What a study keeps of its report beside its archive: the tables, the page and the plots the page shows.
+REPORT_FILES=(results.csv summary.csv groups.csv table.md heldout_answers.csv report.html
+              accuracy_vs_generated_tokens.png accuracy_vs_wall_time.png reward_vs_generated_tokens.png
+              blame_on_error_vs_generated_tokens.png blame_on_error_masked_vs_generated_tokens.png)
+
+keep_report() {  # keep_report REPORT_DIR HERE FILE...: copy each file the report wrote into $repo/HERE; kept: their paths
+  local report="$1" here="$2" file; shift 2
+  kept=()
+  for file in "$@"; do
+    if [[ -f "$report/$file" ]]; then cp "$report/$file" "$repo/$here/"; kept+=("$here/$file")
+    else echo "study_runner: the report wrote no $file" >&2; fi
+  done
+}
+
 restore_runs() {
   local archive
   for archive in "${!archives[@]}"; do

@@ -34,16 +34,9 @@ close_study() {  # close_study WHICH-RUNS
      --compare spo_tree_cutpoint-grpo_prob_mask,spo_tree_cutpoint-grpo --csv "$here/at_budget.csv" > "$here/verdict.txt"
    "$python" -m spo_verl.tools.study.compare --report-only --task steps4 \
      --algorithms spo_tree_cutpoint,grpo_prob_mask,grpo,spo_chain --seeds 0,1,2,3,4,5,6,7 --output-dir "$clone/outputs/study3")
-  local kept=(results.csv summary.csv groups.csv table.md heldout_answers.csv report.html accuracy_vs_generated_tokens.png
-              accuracy_vs_wall_time.png reward_vs_generated_tokens.png blame_on_error_vs_generated_tokens.png
-              blame_on_error_masked_vs_generated_tokens.png)
-  local copied=() file
-  for file in "${kept[@]}"; do
-    if [[ -f "$clone/outputs/study3/report/$file" ]]; then cp "$clone/outputs/study3/report/$file" "$repo/$here/"; copied+=("$here/$file")
-    else echo "run.sh: the report wrote no $file" >&2; fi
-  done
+  keep_report "$clone/outputs/study3/report" "$here" "${REPORT_FILES[@]}"
   commit_paths "$study: $1; the verdict at 16,000 tokens and the report's tables" \
-    "$here"/{at_budget.csv,verdict.txt} "${copied[@]}"
+    "$here"/{at_budget.csv,verdict.txt} "${kept[@]}"
 }
 
 cd "$clone"

@@ -57,14 +57,6 @@ cd "$repo"
   --compare spo_tree-grpo_prob_mask,spo_chain-grpo_prob_mask --csv "$here/at_budget.csv" > "$here/verdict.txt"
 "$python" -m spo_verl.tools.study.compare --report-only --task dialogue2 --algorithms "$arms" --seeds 0,1,2,3 \
   --output-dir "$clone/outputs/study4"
-# The report's tables, its page and the plots the page shows, beside the archive.
-kept=(results.csv summary.csv groups.csv turns.csv table.md heldout_answers.csv report.html accuracy_vs_generated_tokens.png
-      accuracy_vs_wall_time.png reward_vs_generated_tokens.png blame_on_error_vs_generated_tokens.png
-      blame_on_error_masked_vs_generated_tokens.png)
-copied=()
-for file in "${kept[@]}"; do
-  if [[ -f "$clone/outputs/study4/report/$file" ]]; then cp "$clone/outputs/study4/report/$file" "$here/"; copied+=("$here/$file")
-  else echo "run.sh: the report wrote no $file" >&2; fi
-done
+keep_report "$clone/outputs/study4/report" "$here" "${REPORT_FILES[@]}" turns.csv
 commit_paths "$study: every run in; the verdict at 8,000 tokens and the report's tables" \
-  "$here"/{at_budget.csv,verdict.txt} "${copied[@]}"
+  "$here"/{at_budget.csv,verdict.txt} "${kept[@]}"
