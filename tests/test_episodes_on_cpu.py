@@ -172,6 +172,28 @@ def test_per_turn_metrics_of_a_batch_of_episodes():
     assert turn_metrics([None, None]) == {}
 
 
+def test_verls_padding_copies_of_a_row_count_in_no_chain_or_turn_metric():
+    """verl's v1 trainer pads a batch with copies of its first row, extra fields included: the per-row
+    metrics (SPO-chain's Monte Carlo cost, which the token budget counts, and the episodes') leave them
+    out, exactly as if the batch had not been padded."""
+    import torch
+
+    from spo_verl.adapters.trainer.common import batch_metrics
+    from spo_verl.core.batch_context import SPOBatchContext
+    from spo_verl.core.metadata import ChainRow, ChainStatistics, EpisodeStatistics
+
+    first = ChainRow([0, 3], [0.5, 0.0], chain=ChainStatistics(2, 8, 40, 0, 0, False, False))
+    second = ChainRow([0], [1.0], chain=ChainStatistics(1, 4, 12, 1, 0, False, False))
+    episodes = [EpisodeStatistics(2, 5, "error", "OSError: sandbox down"), EpisodeStatistics(1, 0, "environment")]
+    real = batch_metrics(SPOBatchContext([first, second]), torch.ones(2, 6), episodes)
+    padded = batch_metrics(SPOBatchContext([first, second, first, first]), torch.ones(4, 6), [*episodes, *episodes[:1] * 2],
+                           padding=[False, False, True, True])
+    assert padded == real
+    assert real["spo/chain/mc_tokens"] == 52 and real["spo/chain/mc_continuations"] == 12
+    assert real["spo/turns/environment_errors"] == 1 and real["spo/turns/turns_per_episode"] == 1.5
+    assert real["spo/turns/value_before_turn1"] == 0.75 and real["spo/turns/value_before_turn2"] == 0.0
+
+
 def test_the_dialogue_data_plays_to_its_answer_against_the_environment(tmp_path):
     """The CPU settings' dialogues (spo_verl.tools.cpu_settings.dialogue): distinct, never below 1, worked
     examples as earlier chat turns, and the right numbers, turn by turn, end the episode with reward 1."""

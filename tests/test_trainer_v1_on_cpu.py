@@ -199,9 +199,12 @@ def test_a_step_with_nothing_to_train_skips_the_actor(transfer_queue, monkeypatc
     assert metrics["spo/actor_update_rows"] == 0 and metrics["spo/actor_skipped_rows"] == 9
 
 
-def test_chain_worked_example_through_transfer_queue(transfer_queue):
-    """the paper's chain example on the default trainer's data path: p, cutpoints int2, V, R = 1."""
-    probs = [0.99, 0.72, 1.0, 0.85, 1.0, 0.56, 0.92, 0.23, 0.98, 0.11, 1.0]
+CHAIN_PROBS = [0.99, 0.72, 1.0, 0.85, 1.0, 0.56, 0.92, 0.23, 0.98, 0.11, 1.0]
+
+
+def chain_outputs():
+    """The paper's chain (cutpoints int2, V, R = 1) and a chain without a cutpoint (R = 0)."""
+    probs = CHAIN_PROBS
     chain = {"segment_starts": [1, 5, 9], "boundary_values": [0.5, 0.25, 0.75],
              "chain": {"boundaries": 3, "mc_continuations": 27, "mc_tokens": 100, "mc_truncated": 9, "cutpoint_requests": 0,
                        "no_cutpoint": False, "capped": False}}
@@ -215,7 +218,12 @@ def test_chain_worked_example_through_transfer_queue(transfer_queue):
             response_logprobs=[float(np.log(p)) for p in probs], reward_score=reward, num_turns=2,
             metrics=AgentLoopMetrics(), extra_fields={"spo": spo, "turn_scores": [], "tool_rewards": []},
         ))
-    batch = store(outputs, lambda s: "chain1")
+    return outputs
+
+
+def test_chain_worked_example_through_transfer_queue(transfer_queue):
+    """the paper's chain example on the default trainer's data path: p, cutpoints int2, V, R = 1."""
+    batch = store(chain_outputs(), lambda s: "chain1")
     metrics = {}
     trainer("spo_chain")._compute_advantage(batch, metrics)
     stored = tq.kv_batch_get(keys=batch.keys, partition_id="train", select_fields=["advantages", "response_mask"])
@@ -229,6 +237,21 @@ def test_chain_worked_example_through_transfer_queue(transfer_queue):
     assert metrics["spo/generated_tokens"] == 22 + 100  # both responses and the continuations
     assert metrics["spo/chain/boundary_value_mean"] == pytest.approx(0.5)
     assert metrics["spo/chain/mc_truncated_fraction"] == 9 / 27
+
+
+def test_verls_padding_rows_add_nothing_to_the_chains_monte_carlo_cost(transfer_queue):
+    """verl balances (and so pads) the batch before the advantage step, with copies of the first row's
+    extra fields: the chain's Monte Carlo tokens, which the token budget counts, stay those of the
+    real rows."""
+    from verl.trainer.ppo.padding_utils import upsample_batch_to_divisible_size
+
+    batch = upsample_batch_to_divisible_size(store(chain_outputs(), lambda s: "chain2"), 4, eos_token_id=2)
+    assert [tag.get("is_padding", False) for tag in batch.tags] == [False, False, True, True]
+    metrics = {}
+    trainer("spo_chain")._compute_advantage(batch, metrics)
+    assert metrics["spo/chain/mc_tokens"] == 100 and metrics["spo/chain/mc_continuations"] == 27
+    assert metrics["spo/chain/boundaries_per_response"] == 1.5
+    assert metrics["spo/generated_tokens"] == 22 + 100
 
 
 class CharTokenizer:

@@ -113,15 +113,22 @@ def extra_field_values(extra_fields: Sequence[Any], field: str) -> list[Mapping 
     return rows
 
 
+def without_padding(items: Sequence[Any], padding: Sequence[bool]) -> list[Any]:
+    """``items`` (one per batch row) with None for the rows ``padding`` marks: verl's v1 trainer pads a
+    batch with copies of its first row, extra fields included, which must not count twice."""
+    return [None if index < len(padding) and padding[index] else item for index, item in enumerate(items)]
+
+
 def batch_metrics(context: SPOBatchContext, response_mask,
-                  episodes: Sequence[EpisodeStatistics | None] = ()) -> dict[str, float]:
+                  episodes: Sequence[EpisodeStatistics | None] = (), padding: Sequence[bool] = ()) -> dict[str, float]:
     """``spo/*`` metrics of one training batch: tree shape and cost (one entry per tree), chain
     boundaries, MC cost and truncated continuations, how much of the response the segment training
     keeps, and (``episodes``, one per row, as :func:`episodes_from_extra_fields` reads them) the
-    ``spo/turns/*`` of multi-turn episodes."""
+    ``spo/turns/*`` of multi-turn episodes. Rows that ``padding`` marks are left out."""
     metrics = dict(context.metrics)
+    rows, episodes = without_padding(context.rows, padding), without_padding(episodes, padding)
     trees = {}
-    for row in context.rows:
+    for row in rows:
         if isinstance(row, TreeLeafRow) and row.tree is not None:
             trees.setdefault(row.tree_id, row.tree)
     if trees:
@@ -149,7 +156,7 @@ def batch_metrics(context: SPOBatchContext, response_mask,
             if positions:  # a fork's response offset over that response's length
                 metrics["spo/tree/fork_position_mean"] = float(np.mean(positions))
             metrics["spo/tree/cutpoint_requests"] = float(sum(s.cutpoint_requests for s in cutpoint_trees))
-    chains = [row for row in context.rows if isinstance(row, ChainRow) and row.chain is not None]
+    chains = [row for row in rows if isinstance(row, ChainRow) and row.chain is not None]
     if chains:
         stats = [row.chain for row in chains]
         values = [v for row in chains for v in row.boundary_values]
@@ -168,7 +175,7 @@ def batch_metrics(context: SPOBatchContext, response_mask,
             metrics["spo/chain/boundary_value_std"] = float(np.std(values))
             metrics["spo/chain/boundary_value_min"] = float(np.min(values))
             metrics["spo/chain/boundary_value_max"] = float(np.max(values))
-    metrics.update(turn_metrics(episodes, context.rows, metrics))
+    metrics.update(turn_metrics(episodes, rows, metrics))
     if context.trained_mask is not None:
         response_tokens = float(response_mask.sum())
         metrics["spo/trained_tokens"] = float(context.trained_mask.sum())

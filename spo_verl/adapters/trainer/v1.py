@@ -52,6 +52,7 @@ from spo_verl.adapters.trainer.common import (
     spo_settings_of,
     turn_metrics,
     uses_spo_metadata,
+    without_padding,
 )
 from spo_verl.adapters.trainer.credit_step import step_credit_metrics
 from spo_verl.adapters.trainer.packed_worker import (
@@ -115,7 +116,8 @@ class SPOTrainer(PPOTrainerSync):
             batch = super()._compute_advantage(batch, metrics)
             stored = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
                                      select_fields=["uid", "response_mask", "extra_fields"])
-            metrics.update(turn_metrics(episodes_from_extra_fields(list(stored["extra_fields"]))))
+            episodes = episodes_from_extra_fields(list(stored["extra_fields"]))
+            metrics.update(turn_metrics(without_padding(episodes, padding_rows(batch))))
             self._count_generated_tokens(batch, stored["response_mask"], metrics)
             self._log_and_measure(batch, stored, None, metrics)
             return batch
@@ -127,7 +129,8 @@ class SPOTrainer(PPOTrainerSync):
             batch = super()._compute_advantage(batch, metrics)
         response_mask = stored["response_mask"]
         padded_mask = response_mask.to_padded_tensor(0)
-        metrics.update(batch_metrics(context, padded_mask, episodes_from_extra_fields(list(stored["extra_fields"]))))
+        metrics.update(batch_metrics(context, padded_mask, episodes_from_extra_fields(list(stored["extra_fields"])),
+                                     padding_rows(batch)))
         self._spo_rows_to_train = None
         if context.trained_mask is not None:
             trained = padded_mask * context.trained_mask[:, : padded_mask.shape[1]].to(padded_mask.dtype)
@@ -144,8 +147,8 @@ class SPOTrainer(PPOTrainerSync):
 
     def _count_generated_tokens(self, batch, response_mask, metrics: dict) -> None:
         """``spo/generated_tokens`` of this step (padding rows excluded) and the token budget's stop."""
-        real_rows = [not tag.get("is_padding", False) for tag in batch.tags]
-        response_tokens = sum(float(mask.sum()) for mask, real in zip(response_mask.unbind(), real_rows) if real)
+        response_tokens = sum(float(mask.sum()) for mask, padding in zip(response_mask.unbind(), padding_rows(batch))
+                              if not padding)
         self._token_budget.record(self, step_generated_tokens(response_tokens, metrics), metrics)
 
     def _log_and_measure(self, batch, stored, context, metrics: dict) -> None:
@@ -182,7 +185,7 @@ class SPOTrainer(PPOTrainerSync):
         settings = spo_settings_of(self)
         if not settings.credit_metrics:
             return
-        real = [i for i, tag in enumerate(batch.tags) if not tag.get("is_padding", False)]
+        real = [i for i, padding in enumerate(padding_rows(batch)) if not padding]
         metrics.update(step_credit_metrics(responses(real), self.tokenizer,
                                            settings.prob_mask.threshold))
 
@@ -196,7 +199,7 @@ class SPOTrainer(PPOTrainerSync):
             responses,
             rows=context.rows if context is not None else None,
             tree_nodes=context.tree_nodes if context is not None else None,
-            padding=[bool(tag.get("is_padding", False)) for tag in batch.tags], settings=spo_settings_of(self),
+            padding=padding_rows(batch), settings=spo_settings_of(self),
         )
 
     def _update_actor(self, batch, metrics: dict):
@@ -230,6 +233,11 @@ class SPOTrainer(PPOTrainerSync):
             tags=batch.tags + [tag for _, tag in added],
             extra_info=batch.extra_info,
         )
+
+
+def padding_rows(batch: KVBatchMeta) -> list[bool]:
+    """Which rows of the batch are verl's padding (``upsample_batch_to_divisible_size`` tags them)."""
+    return [bool(tag.get("is_padding", False)) for tag in batch.tags]
 
 
 def _stored_uids(stored) -> list[str]:
