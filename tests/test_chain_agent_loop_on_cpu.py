@@ -202,6 +202,23 @@ async def test_a_multi_turn_episode_against_the_arithmetic_dialogue(tiny_model, 
 
 
 @in_session_loop
+async def test_the_chains_caps_bound_a_multi_turn_episodes_monte_carlo_work(tiny_model, recording_client, reward_file):
+    """``max_boundaries=1`` over turns: only the prompt is valued (once for the prompt's sessions), the
+    second turn joins the first turn's segment, and every episode says it was capped."""
+    model_dir, tokenizer = tiny_model
+    config = chain_config(model_dir, reward_file, "+algorithm.spo.chain.partition=turn", *DIALOGUE_TURNS,
+                          "+algorithm.spo.chain.max_boundaries=1")
+    outputs, calls = await play_dialogue(SPOChainAgentLoop, config, recording_client, tokenizer, "dialogue3")
+    rows = [out.extra_fields["spo"] for out in outputs]
+    assert all(row["segment_starts"] == [0] and len(row["boundary_values"]) == 1 for row in rows)
+    assert all(row["chain"]["capped"] and row["chain"]["boundaries"] == 1 for row in rows)
+    assert sum(row["chain"]["mc_continuations"] for row in rows) == MC_SAMPLES  # the prompt's value, shared
+    # Each continuation plays the two-turn dialogue to its end: at most 2 generate calls each.
+    assert len(outputs) * 2 <= len(calls) <= len(outputs) * 2 + MC_SAMPLES * 2
+    assert advantages_through_verl(config, outputs, tokenizer)[1]["spo/chain/capped_responses"] == len(outputs)
+
+
+@in_session_loop
 async def test_the_episode_loop_plays_the_same_dialogue_without_values(tiny_model, recording_client, reward_file):
     """``spo_episode`` (verl's own estimators on multi-turn tasks, and every algorithm's validation of one):
     one episode a session, the environment's reply out of the mask, the episode's reward as verl's score,

@@ -69,7 +69,9 @@ class SPOChainAgentLoop(AgentLoopBase):
 
     async def _run_episode(self, shared_values: BoundaryValueCache, sampling_params: dict[str, Any],
                            kwargs: dict[str, Any]) -> AgentLoopOutput:
-        """A multi-turn episode against the environment, each of the model's turns a segment."""
+        """A multi-turn episode against the environment, each of the model's turns a segment; the caps
+        (``max_boundaries``, ``max_mc_tokens_per_response``) keep the first turn starts that fit them, the
+        turns after the last one kept joining its segment."""
         prompt_ids = await self.player.prompt_ids(self, kwargs["raw_prompt"])
         # The episode and all its continuations: one request id, one server, warm prefix cache.
         game = (self.server_manager.generate, uuid4().hex, prompt_ids, sampling_params)
@@ -77,7 +79,7 @@ class SPOChainAgentLoop(AgentLoopBase):
         metrics: dict[str, float] = {}
         with simple_timer("generate_sequences", metrics):
             episode = await self.player.play(game, kwargs, keep_boundaries=True)
-            starts = episode.turn_starts
+            starts, capped = cap_boundaries(self.settings, episode.turn_starts, self.response_length)
             estimates = [
                 shared_values.value(episode.response_ids[:start], functools.partial(
                     turn_value, *game, episode.boundary_environments[k], *rules, episode.turns[:k],
@@ -95,7 +97,7 @@ class SPOChainAgentLoop(AgentLoopBase):
                 mc_continuations=sum(v.continuations for v in started_here),
                 mc_tokens=sum(v.continuation_tokens for v in started_here),
                 mc_truncated=sum(v.truncated for v in started_here),
-                cutpoint_requests=0, no_cutpoint=False, capped=False,
+                cutpoint_requests=0, no_cutpoint=False, capped=capped,
             ),
         )
         return session_output(prompt_ids, episode.response_ids, episode.response_log_probs, spo, metrics,
