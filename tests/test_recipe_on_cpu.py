@@ -71,6 +71,21 @@ def test_each_algorithm_composes_and_passes_verls_validation(algorithm, tiny_mod
         assert config.critic.model.path == tiny_model[0]
 
 
+def test_every_documented_setting_is_in_the_entry_points_config_with_its_documented_default():
+    """docs/SETTINGS.md's table: each ``algorithm.spo`` key can be overridden without Hydra's ``+`` (the
+    composed config is struct-locked) and starts at the default the table gives (SPO-tree's bundle)."""
+    import yaml
+
+    table = re.findall(r"^\| `([a-z_.]+)` \| `([^`]*)`", (REPO / "docs" / "SETTINGS.md").read_text(), re.M)
+    assert len(table) >= 30
+    spo = compose_recipe("spo_algorithm=spo_tree").algorithm.spo
+    for key, default in table:
+        value = OmegaConf.select(spo, key, default=KeyError)
+        assert value is not KeyError, f"algorithm.spo.{key} is documented but not in spo_trainer.yaml"
+        value = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+        assert value == yaml.safe_load(default), (key, value, default)
+
+
 def test_rollout_n_follows_the_tree_shape():
     config = compose_recipe("algorithm.spo.tree.branching=[4,5,6]", "algorithm.spo.tree.segment_tokens=[30,30]")
     assert config.actor_rollout_ref.rollout.n == 120
