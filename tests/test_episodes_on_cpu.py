@@ -109,6 +109,73 @@ def test_a_failing_environment_scores_its_episode_zero_and_keeps_the_error():
     assert episode.response_ids == [1, EOS]
 
 
+def test_an_environment_whose_reset_or_rendering_raises_costs_its_episode_not_the_batch():
+    """A reset that raises (a sandbox that will not start) ends the episode at its first step, after one
+    turn of the model, so that the row is never empty; a reply the chat template cannot render likewise."""
+    from spo_verl.core.episodes.environment import reset_environment
+
+    class WillNotStart(ArithmeticDialogue):
+        def reset(self, data):
+            raise TimeoutError("sandbox did not start")
+
+    env = reset_environment(WillNotStart, ROW)
+    episode = asyncio.run(play(ScriptedModel(), "r", PROMPT, {}, env, render, decode, RULES))
+    assert (episode.ended_by, episode.reward, episode.error) == (
+        ENVIRONMENT_ERROR, 0.0, "EnvironmentFailed: reset raised TimeoutError: sandbox did not start")
+    assert episode.response_ids == [1, EOS] and episode.response_mask == [1, 1]
+    assert isinstance(reset_environment(ArithmeticDialogue, ROW), ArithmeticDialogue)
+
+    def unrenderable(reply):
+        raise ValueError("the chat template has no role 'tool'")
+
+    episode = asyncio.run(play(ScriptedModel(), "r", PROMPT, {}, environment(), unrenderable, decode, RULES))
+    assert (episode.ended_by, episode.error) == (ENVIRONMENT_ERROR, "ValueError: the chat template has no role 'tool'")
+
+
+class ForksOnce(ArithmeticDialogue):
+    """An environment whose first fork works and whose later forks raise (their copies fork fine)."""
+
+    def __init__(self):
+        super().__init__()
+        self.forks = 0
+
+    def fork(self):
+        self.forks += 1
+        if self.forks > 1:
+            raise OSError("snapshot failed")
+        copy = ArithmeticDialogue()
+        copy.__dict__.update({k: v for k, v in self.__dict__.items() if k != "forks"})
+        return copy
+
+
+def test_a_fork_that_raises_keeps_the_boundaries_before_it_and_fails_only_the_continuations_that_needed_it():
+    """At the second turn's start the fork raises: the episode plays on to its own reward, keeping the
+    one boundary it could fork (the prompt), so SPO-chain values that one only; a continuation whose
+    fork raised scores 0 with the error, as a step that raised would."""
+    env = ForksOnce()
+    env.reset(ROW)
+    episode = asyncio.run(play(ScriptedModel(), "r", PROMPT, {}, env, render, decode, RULES, keep_boundaries=True))
+    assert episode.ended_by == ENDED_BY_ENVIRONMENT and episode.reward == 1.0 and len(episode.turns) == 2
+    assert len(episode.boundary_environments) == 1 and episode.boundary_error == "fork raised OSError: snapshot failed"
+    value = asyncio.run(turn_value(ScriptedModel(), "r", PROMPT, {}, env, render, decode, RULES, [], samples=2))
+    assert (value.value, value.continuations, value.truncated) == (0.0, 2, 2)
+
+
+def test_a_tree_child_whose_fork_raises_is_a_failed_leaf_and_its_siblings_play_on():
+    """Branching 2 at the root over an environment whose second fork raises: the first child plays its
+    episode (8, then 6: reward 1), the second's fork failed, so its one turn ends in the error."""
+    from spo_verl.core.episodes.turn_tree import sample_turn_tree
+
+    env = ForksOnce()
+    env.reset(ROW)
+    tree = asyncio.run(sample_turn_tree(ScriptedModel(), "t", PROMPT, {}, env, render, decode, RULES, [2]))
+    assert tree.leaves() == [1, 2]
+    assert (tree.nodes[1].reward, tree.nodes[1].ended_by) == (1.0, ENDED_BY_ENVIRONMENT)
+    assert (tree.nodes[2].reward, tree.nodes[2].ended_by, tree.nodes[2].error) == (
+        0.0, ENVIRONMENT_ERROR, "EnvironmentFailed: fork raised OSError: snapshot failed")
+    assert tree.nodes[2].token_ids == [2, EOS]
+
+
 def test_an_episode_cut_by_the_length_limit_scores_zero():
     rules = EpisodeRules(max_turns=4, response_length=6, eos_token_ids={EOS})  # turn, reply, then 1 token left
     episode = asyncio.run(play(ScriptedModel(), "r", PROMPT, {}, environment(), render, decode, rules))

@@ -79,7 +79,9 @@ class SPOChainAgentLoop(AgentLoopBase):
         metrics: dict[str, float] = {}
         with simple_timer("generate_sequences", metrics):
             episode = await self.player.play(game, kwargs, keep_boundaries=True)
-            starts, capped = cap_boundaries(self.settings, episode.turn_starts, self.response_length)
+            # Turn starts whose environment could be forked (all, unless a fork raised), within the caps.
+            valued = episode.turn_starts[: len(episode.boundary_environments)]
+            starts, capped = cap_boundaries(self.settings, valued, self.response_length)
             estimates = [
                 shared_values.value(episode.response_ids[:start], functools.partial(
                     turn_value, *game, episode.boundary_environments[k], *rules, episode.turns[:k],

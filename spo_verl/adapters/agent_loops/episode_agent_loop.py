@@ -21,7 +21,7 @@ from spo_verl.adapters.agent_loops.sessions import Dialogue, session_output
 from spo_verl.adapters.agent_loops.tool_environment import VERL_TOOLS, ToolEnvironment
 from spo_verl.adapters.reward_function import RowScorer
 from spo_verl.core.config import parse_spo_settings
-from spo_verl.core.episodes.environment import Environment, EnvironmentReply, environment_factory
+from spo_verl.core.episodes.environment import Environment, EnvironmentReply, environment_factory, reset_environment
 from spo_verl.core.episodes.episode import Episode, EpisodeRules, play
 
 EPISODE_AGENT_LOOP = "spo_episode"
@@ -76,16 +76,18 @@ class EpisodePlayer:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def start(self, row: dict[str, Any]) -> Environment:
-        """A fresh environment reset with the prompt's row."""
-        environment = self.environment_factory()
-        environment.reset(row)
-        return environment
+        """A fresh environment reset with the prompt's row (one that fails at its first step if the reset
+        raised)."""
+        return reset_environment(self.environment_factory, row)
 
     async def play(self, game: tuple, row: dict[str, Any], keep_boundaries: bool = False) -> Episode:
         """``game``: (generate, request id, prompt ids, sampling params). An environment that fails ends
         its episode with reward 0, logged with the prompt's uid; the batch goes on."""
         episode = await play(*game, self.start(row), self.render, self.decode, self.rules, keep_boundaries=keep_boundaries)
         log_environment_error(row, episode.error)
+        if episode.boundary_error is not None:
+            logger.warning("the environment could not be forked at a turn boundary of prompt %s (%s); the turns "
+                           "from there on share the last valued turn's segment", row.get("uid"), episode.boundary_error)
         return episode
 
 

@@ -9,6 +9,10 @@ from a turn boundary with a fork of the environment as it was there.
 Environments are registered by name (``register_environment``), as verl registers agent loops, and
 picked by ``algorithm.spo.turns.environment``: a registered name, or ``module:attribute`` of a class or
 factory taking no argument.
+
+An environment that fails costs the episode (or continuation, or tree branch) it fails in, not the
+batch: a step that raises ends its episode with reward 0 (``episode.play``), and a reset or fork that
+raises gives a :class:`FailedEnvironment`, whose first step raises in turn.
 """
 
 from __future__ import annotations
@@ -44,6 +48,50 @@ class CopiedEnvironment:
 
     def fork(self):
         return copy.deepcopy(self)
+
+
+class EnvironmentFailed(RuntimeError):
+    """An environment's reset or fork raised; the episode that needed it ends at its next step."""
+
+
+class FailedEnvironment:
+    """Stands in for an environment whose reset or fork raised: its step raises :class:`EnvironmentFailed`
+    naming what failed, so the episode ends as any failing environment's does (reward 0, the error logged)
+    after one turn of the model (a response is never empty)."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    def reset(self, data: Mapping[str, Any]) -> None:
+        pass
+
+    async def step(self, turn: str) -> EnvironmentReply:
+        raise EnvironmentFailed(self.reason)
+
+    def fork(self) -> "FailedEnvironment":
+        return self
+
+
+def _failure(what: str, error: Exception) -> FailedEnvironment:
+    return FailedEnvironment(f"{what} raised {type(error).__name__}: {error}")
+
+
+def reset_environment(factory: Callable[[], Environment], data: Mapping[str, Any]) -> Environment:
+    """A new environment reset with the prompt's row, or a :class:`FailedEnvironment` if that raised."""
+    try:
+        environment = factory()
+        environment.reset(data)
+    except Exception as error:  # a sandbox that will not start costs its episodes, not the batch
+        return _failure("reset", error)
+    return environment
+
+
+def forked(environment: Environment) -> Environment:
+    """``environment.fork()``, or a :class:`FailedEnvironment` if that raised."""
+    try:
+        return environment.fork()
+    except Exception as error:
+        return _failure("fork", error)
 
 
 ENVIRONMENTS: dict[str, Callable[[], Environment]] = {}

@@ -13,7 +13,10 @@ there, each with a fork of the environment as it was at the boundary (:func:`tur
 
 An episode that the environment did not end (the response length or ``max_turns`` ran out) scores 0,
 as a truncated response does under ``truncated_response_score=zero``; one whose environment raised
-scores 0 and keeps the error's text, so that a failing environment costs one episode, not the batch.
+(in its step or rendering its reply, or in the reset or fork it was given:
+``spo_verl.core.episodes.environment.FailedEnvironment``) scores 0 and keeps the error's text, so that a
+failing environment costs one episode, not the batch. A turn boundary whose fork raised is not kept,
+nor any after it: the episode plays on, and only the boundaries before it can be valued.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
-from spo_verl.core.episodes.environment import Environment, EnvironmentReply
+from spo_verl.core.episodes.environment import Environment, EnvironmentReply, FailedEnvironment, forked
 from spo_verl.core.metadata import EpisodeStatistics
 from spo_verl.core.rollout.chain import BoundaryValue
 from spo_verl.core.rollout.server_output import generate_segment
@@ -49,6 +52,7 @@ class Episode:
     ended_by: str = TURN_LIMIT
     error: str | None = None
     boundary_environments: list[Environment] = field(default_factory=list)  # the environment at each turn start
+    boundary_error: str | None = None  # a fork at a turn boundary raised: no boundary from there on is kept
 
     @property
     def response_ids(self) -> list[int]:
@@ -104,8 +108,12 @@ async def play(generate: Generate, request_id: str, prompt_ids: list[int], sampl
         if room <= 0:
             episode.ended_by = LENGTH_LIMIT
             return episode
-        if keep_boundaries:
-            episode.boundary_environments.append(environment.fork())
+        if keep_boundaries and episode.boundary_error is None:
+            boundary = forked(environment)
+            if isinstance(boundary, FailedEnvironment):
+                episode.boundary_error = boundary.reason
+            else:
+                episode.boundary_environments.append(boundary)
         budget = min(room, rules.max_turn_tokens or room)
         segment = await generate_segment(generate, request_id, prompt_ids + episode.response_ids,
                                          {**sampling_params, "max_tokens": budget}, "episode turn")
@@ -117,13 +125,14 @@ async def play(generate: Generate, request_id: str, prompt_ids: list[int], sampl
             return episode
         try:
             reply = await environment.step(decode(turn.token_ids))
+            rendered = [] if reply.done else list(render(reply))
         except Exception as error:  # an environment's failure costs its episode, not the batch
             episode.ended_by, episode.error = ENVIRONMENT_ERROR, f"{type(error).__name__}: {error}"
             return episode
         if reply.done:
             episode.ended_by, episode.reward = ENDED_BY_ENVIRONMENT, float(reply.reward or 0.0)
             return episode
-        reply_ids = ([] if ended_turn else [min(rules.eos_token_ids)]) + list(render(reply))
+        reply_ids = ([] if ended_turn else [min(rules.eos_token_ids)]) + rendered
         if len(episode.response_ids) + len(reply_ids) >= rules.response_length:  # no room for the next turn
             episode.ended_by = LENGTH_LIMIT
             return episode
@@ -139,7 +148,7 @@ async def turn_value(generate: Generate, request_id: str, prompt_ids: list[int],
     ``environment`` (the environment at that boundary), all under one request id. Its cost counts the
     model's tokens only, and as truncated the continuations the environment did not end (scored 0)."""
     episodes = await asyncio.gather(*(
-        play(generate, request_id, prompt_ids, sampling_params, environment.fork(), render, decode, rules, played)
+        play(generate, request_id, prompt_ids, sampling_params, forked(environment), render, decode, rules, played)
         for _ in range(samples)))
     already = sum(len(turn.token_ids) for turn in played)
     return BoundaryValue(

@@ -16,7 +16,7 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import replace
 
-from spo_verl.core.episodes.environment import Environment
+from spo_verl.core.episodes.environment import Environment, forked
 from spo_verl.core.episodes.episode import TURN_LIMIT, Decode, EpisodeRules, Generate, Render, Turn, play
 from spo_verl.core.rollout.tree import ROOT, SampledTree, TreeNode
 
@@ -59,7 +59,7 @@ async def sample_turn_tree(generate: Generate, request_id: str, prompt_ids: list
             child = TreeNode(len(tree.nodes), parent, depth + 1)
             tree.nodes.append(child)
             tree.nodes[parent].children.append(child.node_id)
-            children.append((child, state.fork()))
+            children.append((child, forked(state)))  # a fork that raises fails that child's episode
         await asyncio.gather(*(grow(child, list(played), fork, depth == len(branching) - 1)
                                for child, fork in children))
 
