@@ -85,6 +85,12 @@ def test_the_command_reads_finished_runs_and_writes_each_runs_value(tmp_path, ca
     assert "| grpo | 1 | 0.150 | - |" in out
     sampled_pair = out.split("sampled accuracy")[1].split("The declared comparisons")[0]
     assert "| spo minus grpo | 1 | +10.0 | - | [-, -] | - | not resolved (too few seeds) |" in sampled_pair
+    # A misspelt arm is refused with the finished ones named; a run short of the budget is named as left out.
+    with pytest.raises(SystemExit):
+        main(["--output-dir", str(tmp_path), "--budget", "500", "--compare", "spo-gpro"])
+    assert "--compare names ['gpro'], which have no finished run" in capsys.readouterr().err
+    assert main(["--output-dir", str(tmp_path), "--budget", "1500", "--compare", "spo-grpo"]) == 0
+    assert "no validation reaches 1,500 tokens in grpo/seed0, grpo/seed1, spo/seed0, spo/seed1" in capsys.readouterr().err
 
 
 def test_each_arm_is_its_mean_over_the_seeds_with_a_value_and_their_standard_error():

@@ -29,6 +29,7 @@ import argparse
 import csv
 import json
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -205,6 +206,11 @@ def main(argv=None) -> int:
     if any(len(pair) != 2 for pair in pairs):
         parser.error(f"--compare takes algorithm-reference pairs, got {args.compare!r}")
     at = study_at_budget(args.output_dir, args.budget)
+    finished = sorted({name for name, _ in at})
+    unknown = sorted({name for pair in pairs for name in pair} - set(finished))
+    if unknown:
+        parser.error(f"--compare names {unknown}, which have no finished run in {args.output_dir} "
+                     f"(finished: {finished})")
     sampled = study_final_sampled(args.output_dir)
     cell = lambda value: "" if value is None else f"{value:.6f}"  # noqa: E731
     if args.csv:
@@ -214,6 +220,10 @@ def main(argv=None) -> int:
             writer.writerows([name, seed, cell(value), cell(sampled.get((name, seed)))] for (name, seed), value in sorted(at.items()))
     for (name, seed), value in sorted(at.items()):
         print(f"{name}/seed{seed}: accuracy at {args.budget:,.0f} tokens: {'-' if value is None else f'{value:.4f}'}")
+    short = [f"{name}/seed{seed}" for (name, seed), value in sorted(at.items()) if value is None]
+    if short:
+        print(f"verdict: no validation reaches {args.budget:,.0f} tokens in {', '.join(short)}: left out of "
+              "every pair they are in", file=sys.stderr)
     results = [paired(at, algorithm, reference, args.level) for algorithm, reference in pairs]
     print(f"Greedy accuracy at {args.budget:,.0f} tokens, each arm (secondary):")
     print(render_arms(arms(at)))
