@@ -55,6 +55,36 @@ def test_a_run_resumes_from_its_last_checkpoint_whose_steps_were_logged(tmp_path
     assert folder.resumable_step() == 4
 
 
+def test_a_run_resumed_after_it_chose_its_last_step_is_held_to_it(tmp_path, monkeypatch):
+    """Steps of 400 tokens against a budget of 1,000: after step 2 (800 + 400 reach it) the run made step
+    3 its last. Resumed from step 2's checkpoint, the new process is told so (it would otherwise count its
+    budget afresh and run step 4 as well); resumed from step 1, nothing was chosen yet; stopped after
+    step 3 was logged and checkpointed, nothing is left to train."""
+    folder = study.RunFolder.open(tmp_path / "grpo" / "seed0")
+    attempt = folder.new_attempt(resumed_from=0)
+    write_metrics(attempt, [(0, {}), (1, {study.GENERATED: 400.0}), (2, {study.GENERATED: 400.0})])
+    assert folder.chosen_last_step(2, 1_000) == 3 and folder.chosen_last_step(1, 1_000) is None
+    assert folder.chosen_last_step(0, 1_000) is None and folder.chosen_last_step(2, 1_300) is None
+    assert folder.chosen_last_step(2, 700) == 2  # chosen after step 1 already (400 + 400)
+    for step in (1, 2):
+        (folder.checkpoints / f"global_step_{step}").mkdir(parents=True)
+    (folder.checkpoints / "latest_checkpointed_iteration.txt").write_text("2\n")
+    commands = []
+    monkeypatch.setattr(study, "_run_logged", lambda command, *args: commands.append(command) or 0)
+    config = study.Study(**{**study.QUICK, "token_budget": 1_000, "max_steps": 10, "output_dir": tmp_path})
+    assert study._train(config, folder, "grpo", 0)
+    assert commands[0][-1] == "trainer.total_training_steps=3"
+    assert "algorithm.spo.generated_token_budget=200" in commands[0]
+    # The new attempt trained step 3 (its last) and was stopped before it could exit: resumed from
+    # step 3, nothing is launched and the run counts as trained.
+    write_metrics(folder.path / folder.attempts[-1]["metrics"], [(3, {study.GENERATED: 400.0})])
+    (folder.checkpoints / "global_step_3").mkdir()
+    (folder.checkpoints / "latest_checkpointed_iteration.txt").write_text("3\n")
+    assert study._train(config, folder, "grpo", 0) and len(commands) == 1
+    trained = json.loads((folder.path / study.TRAINED_FILE).read_text())
+    assert (trained["steps"], trained["generated_tokens"], trained["attempts"]) == (3, 1_200, 2)
+
+
 def test_options_and_their_errors(capsys):
     quick = study.parse_args(["--quick"])
     assert (quick.setting, quick.algorithms, quick.seeds, quick.token_budget) == ("cpu-tiny", ("spo_tree", "spo_tree_cutpoint"), (0,), 500)

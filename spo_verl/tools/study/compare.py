@@ -11,8 +11,9 @@ Each run is the project's run script (``scripts/spo_launch.sh``) with the study'
 folder ``<output-dir>/<algorithm>/seed<k>/``. Running the command again skips finished runs (their
 ``done.json``) and resumes unfinished ones from their last checkpoint whose step was logged (two are
 kept, written at every validation), with the generated tokens the earlier attempts spent up to that checkpoint taken off the
-budget; so a study survives a killed job and can be spread over several sittings. One progress line
-per step and one line per finished run are printed.
+budget and the last step the run had already chosen kept (one stopped after its last step trains no
+more); so a study survives a killed job and can be spread over several sittings, and a resumed run ends
+where it would have ended. One progress line per step and one line per finished run are printed.
 
 On ``cpu-smollm2`` the held-out set is 256 problems (``VAL_FILES`` overrides it), validated greedily, and
 the study trains with the settings its learning-rate sweep chose (``STUDY_SETTING_DEFAULTS``, docs/RESULTS.md):
@@ -176,6 +177,21 @@ class RunFolder:
     def spent_until(self, step: int) -> float:
         return sum(data.get(GENERATED, 0.0) for s, data in self.merged_steps().items() if 0 < s <= step)
 
+    def chosen_last_step(self, until: int, budget: float) -> int | None:
+        """The last step the run had chosen by the end of step ``until``: the token budget makes step
+        k + 1 the last once the tokens up to k plus step k's own reach the budget
+        (``spo_verl.adapters.trainer.token_budget``); None where it had not chosen. The choice lived in
+        the stopped process, so a run resumed from ``until`` is held to it here."""
+        steps, spent = self.merged_steps(), 0.0
+        for step in range(1, until + 1):
+            tokens = steps.get(step, {}).get(GENERATED)
+            if tokens is None:
+                return None
+            spent += tokens
+            if spent + tokens >= budget:
+                return step + 1
+        return None
+
     def new_attempt(self, resumed_from: int) -> Path:
         name = f"metrics-attempt{len(self.attempts) + 1}.jsonl"
         self.attempts.append({"metrics": name, "resumed_from": resumed_from})
@@ -325,6 +341,32 @@ def _train(study: Study, folder: "RunFolder", algorithm: str, seed: int) -> bool
     if resumed_from == 0:
         shutil.rmtree(folder.checkpoints, ignore_errors=True)  # nothing usable: start from the base model
     spent = folder.spent_until(resumed_from)
+    last = folder.chosen_last_step(resumed_from, study.token_budget)
+    started = time.monotonic()
+    if resumed_from and (last == resumed_from or resumed_from >= study.max_steps):
+        # Stopped after its last step was trained, validated, checkpointed and logged: nothing to redo.
+        print(f"compare: {name}: resuming from step {resumed_from} ({spent:,.0f} tokens spent): its last step, "
+              "nothing left to train", flush=True)
+    elif not _train_attempt(study, folder, algorithm, seed, resumed_from, spent, last):
+        return False
+    steps = folder.merged_steps()
+    folder.write_merged()
+    trained = [s for s in steps if s > 0]
+    summary = {"algorithm": algorithm, "seed": seed, "steps": max(trained, default=0),
+               "generated_tokens": folder.spent_until(max(trained, default=0)),
+               "final_held_out_accuracy": next((validation_accuracy(d) for s, d in reversed(steps.items())
+                                                if validation_accuracy(d) is not None), None),
+               "learning_rate": study.learning_rate(algorithm),
+               "attempts": len(folder.attempts), "last_attempt_s": round(time.monotonic() - started)}
+    (folder.path / TRAINED_FILE).write_text(json.dumps(summary, indent=1))
+    return True
+
+
+def _train_attempt(study: Study, folder: "RunFolder", algorithm: str, seed: int, resumed_from: int, spent: float,
+                   last: int | None) -> bool:
+    """One attempt of the run's training from the checkpoint of ``resumed_from`` (0: the base model) to the
+    budget; ``last``: the last step the run had already chosen, if any. True when it exited cleanly."""
+    name = f"{algorithm}/seed{seed}"
     remaining = max(1, int(study.token_budget - spent))
     metrics = folder.new_attempt(resumed_from)
     command = _launch_command(
@@ -337,26 +379,16 @@ def _train(study: Study, folder: "RunFolder", algorithm: str, seed: int) -> bool
         # Two checkpoints kept: the latest may belong to a step that was never logged.
         "trainer.max_actor_ckpt_to_keep=2",
     )
+    if last is not None and last < study.max_steps:  # the choice the stopped process had made
+        command.append(f"trainer.total_training_steps={last}")
     how = f"resuming from step {resumed_from} ({spent:,.0f} tokens spent)" if resumed_from else "training"
     console = folder.path / f"console-attempt{len(folder.attempts)}.log"
     print(f"compare: {name}: {how} (console: {console})", flush=True)
-    started = time.monotonic()
     returncode = _run_logged(command, _launch_env(study, folder, algorithm, seed, metrics), console,
                              folder.record_process, metrics, name, spent, study.token_budget)
-    steps = folder.merged_steps()
     if returncode != 0:
         print(f"compare: {name}: exit code {returncode}; see {console}; rerun the command to resume", flush=True)
-        return False
-    folder.write_merged()
-    trained = [s for s in steps if s > 0]
-    summary = {"algorithm": algorithm, "seed": seed, "steps": max(trained, default=0),
-               "generated_tokens": folder.spent_until(max(trained, default=0)),
-               "final_held_out_accuracy": next((validation_accuracy(d) for s, d in reversed(steps.items())
-                                                if validation_accuracy(d) is not None), None),
-               "learning_rate": study.learning_rate(algorithm),
-               "attempts": len(folder.attempts), "last_attempt_s": round(time.monotonic() - started)}
-    (folder.path / TRAINED_FILE).write_text(json.dumps(summary, indent=1))
-    return True
+    return returncode == 0
 
 
 def _sampled_validation(study: Study, folder: "RunFolder", algorithm: str, seed: int, step: int) -> float | None:
