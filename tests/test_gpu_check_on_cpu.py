@@ -80,3 +80,44 @@ def test_without_a_gpu_it_stops_at_once(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "torch.cuda.is_available() is False" in lines[0] and "--dry-run" in lines[0]
     assert not (tmp_path / "out").exists()
+
+
+RECORDED = REPO / "docs" / "results" / "gpu_check" / "gpu_check.csv"
+
+
+def test_benchmarks_page_holds_exactly_the_recorded_gpu_run():
+    """BENCHMARKS.md's GPU rows are the recorded GPU run's CSV rendered, nothing added by hand."""
+    rows = read_csv(RECORDED)
+    assert rows and all(row["dry_run"] == "0" for row in rows)
+    page = (REPO / "docs" / "BENCHMARKS.md").read_text()
+    block = gpu_report.gpu_block(page)
+    assert block is not None
+    assert block.removeprefix(gpu_report.GPU_BLOCK_BEGIN).removesuffix(gpu_report.GPU_BLOCK_END).strip() == \
+        gpu_report.render(rows, "docs/results/gpu_check/gpu_check.csv").strip()
+    assert gpu_report.GPU_HEADER_LINE in page.splitlines()
+
+
+def test_record_puts_the_rows_after_the_targets_and_replaces_earlier_ones(dry_run, tmp_path):
+    _, output = dry_run
+    page = tmp_path / "BENCHMARKS.md"
+    original = "# Benchmarks\n\n* GPU: none lent.\n\n## Targets\n\n| a |\n\n## 1. Rollout\n\ntext\n"
+    page.write_text(original)
+    # A dry run's rows are refused: its timings mean nothing.
+    refused = gpu_check("--record", str(output / "gpu_check.csv"), "--into", str(page))
+    assert refused.returncode == 2 and "dry run" in refused.stderr and page.read_text() == original
+    gpu_run = tmp_path / "gpu_check.csv"
+    rows = [{**row, "dry_run": "0", "device_memory_gib": "139.8"} for row in read_csv(output / "gpu_check.csv")]
+    from spo_verl.tools.benchmarks.gpu_check import write_csv
+    write_csv(gpu_run, rows)
+    for _ in range(2):  # recording twice leaves one block
+        result = gpu_check("--record", str(gpu_run), "--into", str(page))
+        assert result.returncode == 0, result.stderr
+    text = page.read_text()
+    assert text.count(gpu_report.GPU_BLOCK_BEGIN) == 1 and text.count("## GPU rows") == 1
+    assert text.index("## Targets") < text.index("## GPU rows") < text.index("## 1. Rollout")
+    assert "* GPU: none lent." not in text and gpu_report.GPU_HEADER_LINE in text
+    # The CPU benchmark, rerun, writes its own page and keeps the recorded rows.
+    cpu_page = "# Benchmarks\n\n* GPU: none lent.\n\n## Targets\n\n| b |\n"
+    rerun = gpu_report.keep_gpu_rows(cpu_page, text)
+    assert gpu_report.gpu_block(rerun) == gpu_report.gpu_block(text) and "| b |" in rerun
+    assert gpu_report.GPU_HEADER_LINE in rerun and gpu_report.keep_gpu_rows(cpu_page, original) == cpu_page

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from spo_verl.tools.benchmarks import maths, rollout, tokens, tree_rollout
+from spo_verl.tools.benchmarks import gpu_report, maths, rollout, tokens, tree_rollout
 from spo_verl.tools.benchmarks.report import Report, header, render, table
 from spo_verl.tools.benchmarks.timing import compare, measure_memory_case, memory_report
 from spo_verl.tools.benchmarks.tree_rollout_report import SMOLLM2_MODEL, benchmark_smollm2_trees, tree_section
@@ -539,6 +539,9 @@ def main(argv=None) -> str:
     text = render(report, header(command.strip(), args.threads, None, time.perf_counter() - started))
     if args.output:
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        if os.path.exists(args.output):
+            with open(args.output) as earlier:
+                text = gpu_report.keep_gpu_rows(text, earlier.read())
         with open(args.output, "w") as out:
             out.write(text)
     print(text)

@@ -1,6 +1,7 @@
 """A prepared GPU check: one short run on one borrowed GPU that measures what the CPU benchmarks cannot.
 
     bash scripts/gpu_check.sh [--dry-run] [--output DIR] [--whole-tree] [--time-budget SECONDS]
+    bash scripts/gpu_check.sh --record docs/results/gpu_check/gpu_check.csv [--into docs/BENCHMARKS.md]
 
 1. Packed training against per-row rows in bfloat16 on a Qwen2 of DeepSeek-R1-Distill-Qwen-1.5B's shape
    (random weights, built on the GPU: :mod:`.gpu_model`), on actor micro-batches of the cluster
@@ -9,7 +10,7 @@
 2. The SPO advantage functions and the masked loss of the framework-free core on the GPU, at the batch
    sizes of BENCHMARKS.md's sections 3 and 4 (:mod:`.gpu_maths`).
 
-Needs torch and transformers only (no verl, vLLM or Ray). Writes ``gpu_check.csv`` under ``--output``
+Needs torch, transformers and omegaconf only (no verl, vLLM or Ray). Writes ``gpu_check.csv`` under ``--output``
 (default ``outputs/gpu_check``) and renders ``gpu_rows.md`` from that CSV alone (:mod:`.gpu_report`):
 rows in the shape of BENCHMARKS.md's targets table. Cases run in order of priority and one whose
 predicted time no longer fits ``--time-budget`` is recorded as skipped.
@@ -18,6 +19,9 @@ predicted time no longer fits ``--time-budget`` is recorded as skipped.
 per-row to float32 tolerance are checked; its timings mean nothing and the output says so. Without
 ``--dry-run`` and without a CUDA device it stops at once. Exit status: 0, 1 when a correctness row
 missed its target (the rows are written first), 2 without a CUDA device.
+
+``--record CSV`` measures nothing: it renders a GPU run's CSV, copied under ``docs/results/``, as the GPU
+rows of BENCHMARKS.md (between markers the CPU benchmark keeps when it is rerun).
 """
 
 from __future__ import annotations
@@ -57,7 +61,26 @@ def _parser() -> argparse.ArgumentParser:
                         help="also a whole math-r1-1.5b 6-6-6 tree as one packed micro-batch (~1.5 more minutes)")
     parser.add_argument("--time-budget", type=float, default=400.0,
                         help="seconds from the start after which no further packing case starts (default 400)")
+    parser.add_argument("--record", type=Path, metavar="CSV",
+                        help="measure nothing: render a GPU run's gpu_check.csv (kept under docs/results/) as the "
+                             "GPU rows of --into")
+    parser.add_argument("--into", type=Path, default=Path("docs/BENCHMARKS.md"),
+                        help="with --record: the benchmarks page to put the rows in (default docs/BENCHMARKS.md)")
     return parser
+
+
+def record(csv_path: Path, benchmarks: Path) -> int:
+    """A GPU run's rows into the benchmarks page, rendered from its CSV alone (earlier GPU rows replaced)."""
+    from spo_verl.tools.benchmarks import gpu_report
+
+    rows = read_csv(csv_path)
+    if not rows or rows[0]["dry_run"] != "0":
+        print(f"gpu_check: --record {csv_path}: {'no rows' if not rows else 'a dry run'}; only a GPU run's rows "
+              f"are recorded", file=sys.stderr)
+        return 2
+    benchmarks.write_text(gpu_report.splice(benchmarks.read_text(), gpu_report.render(rows, str(csv_path))))
+    _log(f"recorded {len(rows)} rows of {csv_path} in {benchmarks}")
+    return 0
 
 
 def _format(value) -> str:
@@ -173,6 +196,8 @@ def _meta(args, argv, device, dtype, model, started: float) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
+    if args.record:
+        return record(args.record, args.into)
     import torch
 
     if not args.dry_run and not torch.cuda.is_available():

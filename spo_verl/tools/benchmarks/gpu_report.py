@@ -154,3 +154,41 @@ def render(rows: list[dict], csv_name: str) -> str:
              for row in packing]))
         lines.append("")
     return "\n".join(lines)
+
+
+GPU_BLOCK_BEGIN = "<!-- GPU rows: recorded by `bash scripts/gpu_check.sh --record CSV`; kept when the CPU benchmark is rerun -->"
+GPU_BLOCK_END = "<!-- end of the GPU rows -->"
+GPU_HEADER_LINE = ("* GPU: the CPU benchmark ran without one; the section GPU rows holds the prepared GPU check's "
+                   "figures, recorded from its own CSV.")
+
+
+def gpu_block(text: str) -> str | None:
+    """The recorded GPU rows in a BENCHMARKS.md text, markers included, or None."""
+    start, end = text.find(GPU_BLOCK_BEGIN), text.find(GPU_BLOCK_END)
+    return text[start:end + len(GPU_BLOCK_END)] if 0 <= start < end else None
+
+
+def splice(benchmarks: str, rows_markdown: str) -> str:
+    """BENCHMARKS.md's text with ``rows_markdown`` as its GPU rows: in place of earlier ones, else right after
+    the targets table (else at the end), and the header's GPU line pointing at them."""
+    block = f"{GPU_BLOCK_BEGIN}\n{rows_markdown.strip()}\n{GPU_BLOCK_END}"
+    earlier = gpu_block(benchmarks)
+    if earlier is not None:
+        text = benchmarks.replace(earlier, block)
+    else:
+        targets = benchmarks.find("## Targets")
+        following = benchmarks.find("\n## ", targets + 1) if targets >= 0 else -1
+        text = (benchmarks[:following + 1] + block + "\n\n" + benchmarks[following + 1:] if following >= 0
+                else benchmarks.rstrip("\n") + "\n\n" + block + "\n")
+    lines = [GPU_HEADER_LINE if line.startswith("* GPU: ") else line for line in text.split("\n")]
+    return "\n".join(lines)
+
+
+def keep_gpu_rows(page: str, earlier_page: str) -> str:
+    """A rerun CPU benchmark's page with the GPU rows its earlier page had recorded: a CPU run cannot
+    remeasure them."""
+    recorded = gpu_block(earlier_page)
+    if recorded is None:
+        return page
+    return splice(page, recorded.removeprefix(GPU_BLOCK_BEGIN).removesuffix(GPU_BLOCK_END))
+
