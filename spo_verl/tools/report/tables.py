@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spo_verl.tools.report.runs import CREDIT_KEYS, PHASES, Run
+from spo_verl.tools.standard_error import mean_and_se
 
 PHASE_COLUMNS = [f"{phase}_s" for phase in PHASES]  # verl's timing_s/<phase> of a step
 RESULT_COLUMNS = ["run", "algorithm", "seed", "step", "generated_tokens", "cumulative_generated_tokens", "training_reward",
@@ -126,16 +127,6 @@ class GroupSummary:
     steps_mean: float
     wall_time_s_mean: float
     phase_s_mean: dict[str, float]  # groups.csv: <phase>_s_mean
-
-
-def mean_and_se(values: Sequence[float]) -> tuple[float | None, float | None]:
-    if not values:
-        return None, None
-    mean = sum(values) / len(values)
-    if len(values) < 2:
-        return mean, None
-    variance = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
-    return mean, (variance / len(values)) ** 0.5
 
 
 def summarize_groups(runs: Sequence[Run], summaries: Sequence[Summary]) -> list[GroupSummary]:

@@ -23,13 +23,11 @@ import os
 from pathlib import Path
 from types import SimpleNamespace
 
+from spo_verl.tools.standard_error import standard_error
+
+
 def _standard_error(p: float, n: int) -> float:
     return (p * (1 - p) / n) ** 0.5 if n else float("nan")
-
-
-def _mean_se(values: list[float]) -> float:
-    mean = sum(values) / len(values)
-    return (sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values)) ** 0.5
 
 
 def measure(tasks: list[str], count: int, samples: int, cache: Path) -> dict:
@@ -64,7 +62,7 @@ def measure(tasks: list[str], count: int, samples: int, cache: Path) -> dict:
         results[task] = {
             "example": problems[0][0], "greedy_accuracy": g, "greedy_se": _standard_error(g, count),
             # Samples of one problem are not independent: the error is over the problems' own means.
-            "sampled_accuracy": s, "sampled_se": _mean_se([sum(row) / samples for row in per_problem]),
+            "sampled_accuracy": s, "sampled_se": standard_error([sum(row) / samples for row in per_problem]),
             f"pass_at_{samples}": sum(any(row) for row in per_problem) / count,
             "mixed_groups": sum(0 < sum(row) < samples for row in per_problem) / count,
             "truncated": sum(cut) / len(cut),
@@ -162,7 +160,7 @@ def measure_dialogues(tasks: list[str], count: int, samples: int, cache: Path) -
         g, s = sum(greedy) / len(rows), sum(flat) / len(flat)
         results[task] = {
             "example": rows[0]["prompt"][-1]["content"], "greedy_accuracy": g, "greedy_se": _standard_error(g, len(rows)),
-            "sampled_accuracy": s, "sampled_se": _mean_se([sum(r) / samples for r in per_problem]),
+            "sampled_accuracy": s, "sampled_se": standard_error([sum(r) / samples for r in per_problem]),
             f"pass_at_{samples}": sum(any(r) for r in per_problem) / len(rows),
             "mixed_groups": sum(0 < sum(r) < samples for r in per_problem) / len(rows),
         }

@@ -26,6 +26,8 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from spo_verl.tools.standard_error import standard_error
+
 
 def read_dump(path: Path) -> dict[str, float]:
     """Score of each held-out problem (keyed by its prompt) in one validation dump."""
@@ -70,13 +72,6 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
-def _se(values: list[float]) -> float | None:
-    if len(values) < 2:
-        return None
-    mean = _mean(values)
-    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values))
-
-
 @dataclass
 class Row:
     name: str
@@ -97,7 +92,7 @@ def _combined(se_seeds: float | None, se_problems: float) -> float:
 
 
 def _paired(per_problem: list[float]) -> float:
-    return _se(per_problem) or 0.0
+    return standard_error(per_problem) or 0.0
 
 
 def summarize(read: dict[str, list[RunScores]]) -> dict[str, Row]:
@@ -110,8 +105,8 @@ def summarize(read: dict[str, list[RunScores]]) -> dict[str, Row]:
         gains = [final - _mean(list(base.values())) for final in finals]
         per_problem_gain = [_mean([run.final[p] for run in scores]) - base[p] for p in problems]
         se_problems = _paired(per_problem_gain)
-        rows[name] = Row(name, len(scores), len(problems), _mean(list(base.values())), _mean(finals), _se(finals),
-                         _mean(gains), _se(gains), se_problems, _combined(_se(gains), se_problems),
+        rows[name] = Row(name, len(scores), len(problems), _mean(list(base.values())), _mean(finals), standard_error(finals),
+                         _mean(gains), standard_error(gains), se_problems, _combined(standard_error(gains), se_problems),
                          [run.step for run in scores])
     return rows
 
@@ -126,7 +121,7 @@ def difference(read: dict[str, list[RunScores]], name: str, reference: str) -> d
     theirs_final = [_mean([run.final[p] for p in problems]) for run in theirs]
     se_seeds = None
     if len(ours) > 1 and len(theirs) > 1:
-        se_seeds = math.sqrt(_se(ours_final) ** 2 + _se(theirs_final) ** 2)
+        se_seeds = math.sqrt(standard_error(ours_final) ** 2 + standard_error(theirs_final) ** 2)
     per_problem = [_mean([run.final[p] for run in ours]) - _mean([run.final[p] for run in theirs]) for p in problems]
     se_problems = _paired(per_problem)
     return {"algorithm": name, "reference": reference, "difference": _mean(ours_final) - _mean(theirs_final),

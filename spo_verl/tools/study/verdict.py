@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spo_verl.tools.metrics_log import read_logged_steps
+from spo_verl.tools.standard_error import mean_and_se
 
 CUMULATIVE = "spo/generated_tokens_cumulative"
 
@@ -125,11 +126,9 @@ def paired(at: dict[tuple[str, int], float | None], algorithm: str, reference: s
                    if name == algorithm and value is not None and at.get((reference, seed)) is not None)
     differences = tuple(at[(algorithm, s)] - at[(reference, s)] for s in seeds)
     n = len(differences)
-    mean = sum(differences) / n if n else None
-    if n < 2:
+    mean, se = mean_and_se(differences)
+    if se is None:
         return Paired(algorithm, reference, tuple(seeds), differences, mean, None, None, None, None, level)
-    sd = math.sqrt(sum((d - mean) ** 2 for d in differences) / (n - 1))
-    se = sd / math.sqrt(n)
     t = t_quantile(1 - (1 - level) / 2, n - 1)
     detectable = (t + t_quantile(0.8, n - 1)) * se
     return Paired(algorithm, reference, tuple(seeds), differences, mean, se, mean - t * se, mean + t * se, detectable, level)
@@ -167,9 +166,7 @@ def arms(at: dict[tuple[str, int], float | None]) -> list[Arm]:
     result = []
     for name in sorted({name for name, _ in at}):
         values = [v for (n, _), v in sorted(at.items()) if n == name and v is not None]
-        mean = sum(values) / len(values) if values else None
-        se = (math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values))
-              if len(values) > 1 else None)
+        mean, se = mean_and_se(values)
         result.append(Arm(name, len(values), mean, se))
     return result
 
