@@ -253,6 +253,11 @@ def _run_readme_command(work: Path) -> Run:
 # its runs are the v1 trainer's cases of both (the README's run is its fixed tree's).
 STUDY_TREE = "spo_tree_cutpoint"
 STUDY_ALGORITHMS = (STUDY_TREE, "spo_chain")
+# SPO-tree generates about 300 tokens a step here: this budget chooses its last step at 3 or 4, under the step
+# bound, so the kill after step 1 always leaves steps for the resumed attempt to train (and to stop at the
+# step the budget chose). SPO-chain (about 750 a step) stops after step 2.
+STUDY_TOKEN_BUDGET = 1_000
+STUDY_MAX_STEPS = 5
 
 
 @dataclass
@@ -274,11 +279,13 @@ def _run_study(work: Path, cache: Path) -> Study:
     env = {k: v for k, v in os.environ.items() if k not in ("SETTING", "ALGORITHM", "VERL_FILE_LOGGER_PATH")}
     env["SPO_CPU_CACHE"] = str(cache)
     # The study's runs are the v1 trainer's SPO-tree cases too: the per-row check of each process's first update.
-    command = ["bash", "scripts/compare.sh", "--quick", "--algorithms", ",".join(STUDY_ALGORITHMS), "--max-steps", "3",
+    command = ["bash", "scripts/compare.sh", "--quick", "--algorithms", ",".join(STUDY_ALGORITHMS),
+               "--token-budget", str(STUDY_TOKEN_BUDGET), "--max-steps", str(STUDY_MAX_STEPS),
                "--val-every", "1", "--output-dir", str(work), "--", *CHECK]
     # The second time only SPO-tree, finished and then validated by sampling; the third time both (the
     # finished one skipped, SPO-chain trained).
     resume_tree = [*command[:3], "--algorithms", STUDY_TREE, "--sampled-validation", "2", *command[5:]]
+    assert command[3:5] == ["--algorithms", ",".join(STUDY_ALGORITHMS)]
     tree, chain = (work / algorithm / "seed0" for algorithm in STUDY_ALGORITHMS)
     marker = tree / "checkpoints" / "latest_checkpointed_iteration.txt"
     trained = ([tree / "metrics-attempt1.jsonl"], [tree / "metrics-attempt2.jsonl"], [chain / "metrics-attempt1.jsonl"])
@@ -636,27 +643,27 @@ def test_study_resumes_a_killed_run_and_skips_a_finished_one(runs):
     assert match, resumed_log[-2000:]
     resumed_from, spent = int(match.group(1)), int(match.group(2).replace(",", ""))
     assert resumed_from >= 1
-    # A stop that came after the run's last step was checkpointed and logged leaves nothing to train:
-    # no second attempt. Otherwise the second attempt trains from the checkpoint to the end.
-    finished_before = match.group(3).startswith(": its last step, nothing left to train")
+    # The budget leaves steps after the kill (STUDY_TOKEN_BUDGET): the second attempt trains from the
+    # checkpoint to the end.
+    assert not match.group(3).startswith(": its last step"), match.group(0)
     attempts = json.loads((folder / "attempts.json").read_text())
-    assert [a["resumed_from"] for a in attempts] == ([0] if finished_before else [0, resumed_from])
+    assert [a["resumed_from"] for a in attempts] == [0, resumed_from]
     assert all(a["process_group"] > 0 for a in attempts)
-    second = {} if finished_before else dict(read_logged_steps(folder / "metrics-attempt2.jsonl"))
-    assert finished_before or min(second) == resumed_from + 1, "the resumed attempt starts after its checkpoint"
+    second = dict(read_logged_steps(folder / "metrics-attempt2.jsonl"))
+    assert min(second) == resumed_from + 1, "the resumed attempt starts after its checkpoint"
     # The merged metrics: every step once, the cumulative count recomputed over the attempts.
     steps = dict(read_logged_steps(folder / "metrics.jsonl"))
-    assert sorted(steps) == list(range(0, max(steps) + 1))
-    assert max(steps) == resumed_from if finished_before else max(steps) > resumed_from
+    assert sorted(steps) == list(range(0, max(steps) + 1)) and max(steps) > resumed_from
     cumulative = 0.0
     for step in sorted(steps)[1:]:
         cumulative += steps[step]["spo/generated_tokens"]
         assert steps[step]["spo/generated_tokens_cumulative"] == pytest.approx(cumulative)
     # The budget rule over both attempts, as one run would have applied it: step k + 1 is the last once the
-    # tokens up to k plus step k's reach the quick budget (500), or the step bound (3) ends the run.
+    # tokens up to k plus step k's reach the budget, or the step bound ends the run.
     tokens = [steps[step]["spo/generated_tokens"] for step in range(1, max(steps) + 1)]
-    chosen = next((k + 1 for k in range(1, len(tokens) + 1) if sum(tokens[:k]) + tokens[k - 1] >= 500), 3)
-    assert max(steps) == min(chosen, 3), tokens
+    chosen = next((k + 1 for k in range(1, len(tokens) + 1) if sum(tokens[:k]) + tokens[k - 1] >= STUDY_TOKEN_BUDGET),
+                  STUDY_MAX_STEPS)
+    assert max(steps) == min(chosen, STUDY_MAX_STEPS), tokens
     assert spent == pytest.approx(sum(steps[s]["spo/generated_tokens"] for s in range(1, resumed_from + 1)), abs=1)
     done = json.loads((folder / "done.json").read_text())
     assert done["steps"] == max(steps) and done["attempts"] == len(attempts)
