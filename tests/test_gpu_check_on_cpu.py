@@ -82,18 +82,20 @@ def test_without_a_gpu_it_stops_at_once(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-RECORDED = REPO / "docs" / "results" / "gpu_check" / "gpu_check.csv"
+RECORDED = sorted((REPO / "docs" / "results" / "gpu_check").glob("*.csv"))
 
 
-def test_benchmarks_page_holds_exactly_the_recorded_gpu_run():
-    """BENCHMARKS.md's GPU rows are the recorded GPU run's CSV rendered, nothing added by hand."""
-    rows = read_csv(RECORDED)
-    assert rows and all(row["dry_run"] == "0" for row in rows)
+def test_benchmarks_page_holds_exactly_the_recorded_gpu_runs():
+    """BENCHMARKS.md's GPU rows are the recorded GPU runs' CSVs rendered (``--record
+    docs/results/gpu_check/*.csv``), nothing added by hand."""
+    assert [path.name for path in RECORDED] == ["gpu_check.csv", "share_sweep.csv"]
+    runs = [(path.relative_to(REPO), read_csv(path)) for path in RECORDED]
+    assert all(rows and all(row["dry_run"] == "0" for row in rows) for _, rows in runs)
     page = (REPO / "docs" / "BENCHMARKS.md").read_text()
     block = gpu_report.gpu_block(page)
     assert block is not None
     assert block.removeprefix(gpu_report.GPU_BLOCK_BEGIN).removesuffix(gpu_report.GPU_BLOCK_END).strip() == \
-        gpu_report.render(rows, "docs/results/gpu_check/gpu_check.csv").strip()
+        "\n".join(gpu_report.render(rows, str(path), first=k == 0) for k, (path, rows) in enumerate(runs)).strip()
     assert gpu_report.GPU_HEADER_LINE in page.splitlines()
 
 
@@ -114,6 +116,12 @@ def test_record_puts_the_rows_after_the_targets_and_replaces_earlier_ones(dry_ru
         assert result.returncode == 0, result.stderr
     text = page.read_text()
     assert text.count(gpu_report.GPU_BLOCK_BEGIN) == 1 and text.count("## GPU rows") == 1
+    # Two runs recorded together: the second under its own heading, named by its CSV.
+    assert gpu_check("--record", str(gpu_run), str(gpu_run), "--into", str(page)).returncode == 0
+    block = gpu_report.gpu_block(page.read_text())
+    assert block.count("## GPU rows\n") == 1 and block.count(f"### GPU rows: `{gpu_run}`") == 1
+    assert gpu_check("--record", str(gpu_run), "--into", str(page)).returncode == 0
+    assert page.read_text() == text
     assert text.index("## Targets") < text.index("## GPU rows") < text.index("## 1. Rollout")
     assert "* GPU: none lent." not in text and gpu_report.GPU_HEADER_LINE in text
     # The CPU benchmark, rerun, writes its own page and keeps the recorded rows.
@@ -121,3 +129,21 @@ def test_record_puts_the_rows_after_the_targets_and_replaces_earlier_ones(dry_ru
     rerun = gpu_report.keep_gpu_rows(cpu_page, text)
     assert gpu_report.gpu_block(rerun) == gpu_report.gpu_block(text) and "| b |" in rerun
     assert gpu_report.GPU_HEADER_LINE in rerun and gpu_report.keep_gpu_rows(cpu_page, original) == cpu_page
+
+
+def test_share_sweep_puts_grpo_groups_at_each_packed_share(tmp_path):
+    from spo_verl.tools.benchmarks.gpu_packing import SHARE_SWEEP, SWEEP_RESPONSE, SWEEP_SHARES, sweep_prompt
+
+    # The prompt lengths give the shares (on the GPU: 1,024-token responses, eight a group).
+    for share, case in zip(SWEEP_SHARES, SHARE_SWEEP, strict=True):
+        rows, prompt = case.rows, sweep_prompt(share)
+        assert (case.prompt, case.segments) == (prompt, (SWEEP_RESPONSE,))
+        assert (prompt + rows * SWEEP_RESPONSE) / (rows * (prompt + SWEEP_RESPONSE)) == pytest.approx(share, abs=5e-4)
+    result = gpu_check("--dry-run", "--share-sweep", "--output", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    swept = [row for row in read_csv(tmp_path / "gpu_check.csv") if row["case"].startswith("grpo_share_")]
+    assert [row["case"] for row in swept] == [case.key for case in SHARE_SWEEP]
+    assert all(row["status"] == "ok" and int(row["rows"]) == 8 for row in swept)
+    shares = [int(row["packed_tokens"]) / int(row["row_tokens"]) for row in swept]
+    # The dry run's lengths are the GPU's / 100 (a prompt of at least 2 tokens, so the last shares coincide).
+    assert shares == sorted(shares) and shares[0] < 0.6 < 0.8 < shares[-1]

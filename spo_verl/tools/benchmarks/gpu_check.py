@@ -1,7 +1,7 @@
 """A prepared GPU check: one short run on one borrowed GPU that measures what the CPU benchmarks cannot.
 
-    bash scripts/gpu_check.sh [--dry-run] [--output DIR] [--whole-tree] [--time-budget SECONDS]
-    bash scripts/gpu_check.sh --record docs/results/gpu_check/gpu_check.csv [--into docs/BENCHMARKS.md]
+    bash scripts/gpu_check.sh [--dry-run] [--output DIR] [--whole-tree] [--share-sweep] [--time-budget SECONDS]
+    bash scripts/gpu_check.sh --record docs/results/gpu_check/gpu_check.csv [MORE.csv] [--into docs/BENCHMARKS.md]
 
 1. Packed training against per-row rows in bfloat16 on a Qwen2 of DeepSeek-R1-Distill-Qwen-1.5B's shape
    (random weights, built on the GPU: :mod:`.gpu_model`), on actor micro-batches of the cluster
@@ -61,25 +61,29 @@ def _parser() -> argparse.ArgumentParser:
                         help="also a whole math-r1-1.5b 6-6-6 tree as one packed micro-batch (~1.5 more minutes)")
     parser.add_argument("--time-budget", type=float, default=400.0,
                         help="seconds from the start after which no further packing case starts (default 400)")
-    parser.add_argument("--record", type=Path, metavar="CSV",
-                        help="measure nothing: render a GPU run's gpu_check.csv (kept under docs/results/) as the "
-                             "GPU rows of --into")
+    parser.add_argument("--share-sweep", action="store_true",
+                        help="also GRPO groups at packed shares 0.5-0.95: where packing stops paying (~1 more minute)")
+    parser.add_argument("--record", type=Path, nargs="+", metavar="CSV",
+                        help="measure nothing: render GPU runs' gpu_check.csv files (kept under docs/results/) as "
+                             "the GPU rows of --into, in the order given")
     parser.add_argument("--into", type=Path, default=Path("docs/BENCHMARKS.md"),
                         help="with --record: the benchmarks page to put the rows in (default docs/BENCHMARKS.md)")
     return parser
 
 
-def record(csv_path: Path, benchmarks: Path) -> int:
-    """A GPU run's rows into the benchmarks page, rendered from its CSV alone (earlier GPU rows replaced)."""
+def record(csv_paths: list[Path], benchmarks: Path) -> int:
+    """GPU runs' rows into the benchmarks page, each rendered from its CSV alone (earlier GPU rows replaced)."""
     from spo_verl.tools.benchmarks import gpu_report
 
-    rows = read_csv(csv_path)
-    if not rows or rows[0]["dry_run"] != "0":
-        print(f"gpu_check: --record {csv_path}: {'no rows' if not rows else 'a dry run'}; only a GPU run's rows "
-              f"are recorded", file=sys.stderr)
-        return 2
-    benchmarks.write_text(gpu_report.splice(benchmarks.read_text(), gpu_report.render(rows, str(csv_path))))
-    _log(f"recorded {len(rows)} rows of {csv_path} in {benchmarks}")
+    runs = [(path, read_csv(path)) for path in csv_paths]
+    for path, rows in runs:
+        if not rows or rows[0]["dry_run"] != "0":
+            print(f"gpu_check: --record {path}: {'no rows' if not rows else 'a dry run'}; only a GPU run's rows "
+                  f"are recorded", file=sys.stderr)
+            return 2
+    rendered = [gpu_report.render(rows, str(path), first=k == 0) for k, (path, rows) in enumerate(runs)]
+    benchmarks.write_text(gpu_report.splice(benchmarks.read_text(), "\n".join(rendered)))
+    _log(f"recorded {sum(len(rows) for _, rows in runs)} rows of {len(runs)} run(s) in {benchmarks}")
     return 0
 
 
@@ -206,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from spo_verl.tools.benchmarks import gpu_maths, gpu_report
     from spo_verl.tools.benchmarks.gpu_model import DRY_RUN, QWEN2_1_5B, build_model
-    from spo_verl.tools.benchmarks.gpu_packing import CASES, WHOLE_TREE
+    from spo_verl.tools.benchmarks.gpu_packing import CASES, SHARE_SWEEP, WHOLE_TREE
 
     if args.dry_run:
         torch.set_num_threads(1)  # tiny shapes: more threads only spin against whatever else the machine runs
@@ -222,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(DRY_RUN if args.dry_run else QWEN2_1_5B, device, dtype)
     _log(f"model built ({sum(p.numel() for p in model.parameters()):,} parameters), "
          f"{time.perf_counter() - started:.1f} s")
-    cases = [*CASES, WHOLE_TREE] if args.whole_tree else list(CASES)
+    cases = [*CASES, *([WHOLE_TREE] if args.whole_tree else []), *(SHARE_SWEEP if args.share_sweep else ())]
     if args.dry_run:
         cases = [case.scaled(DRY_RUN_SCALE) for case in cases]
     rows += packing_rows(model, cases, dtype, started, args.time_budget)

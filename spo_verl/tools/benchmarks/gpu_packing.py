@@ -87,6 +87,23 @@ CASES = (
 WHOLE_TREE = PackCase("math_tree_whole", "math-r1-1.5b", (6, 6, 6), 150, (600, 600, 700), row_budget=32768, rounds=2,
                       whole="the whole tree as one micro-batch (per-row: micro-batches of 32,768 tokens)")
 
+# Where packing stops paying for a GRPO group on a GPU (``--share-sweep``): eight 1,024-token responses to one
+# prompt, the prompt's length chosen for each packed share (what ``packed_max_token_ratio`` compares), the
+# group one micro-batch. Ordered by share, after the cluster's own cases.
+SWEEP_SHARES = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95)
+SWEEP_ROWS, SWEEP_RESPONSE = 8, 1024
+
+
+def sweep_prompt(share: float, rows: int = SWEEP_ROWS, response: int = SWEEP_RESPONSE) -> int:
+    """The prompt length whose group of ``rows`` responses packs to ``share`` of its row tokens:
+    (prompt + rows * response) / (rows * (prompt + response)) = share."""
+    return max(1, round(rows * response * (1 - share) / (rows * share - 1)))
+
+
+SHARE_SWEEP = tuple(PackCase(f"grpo_share_{share:.2f}", "share sweep", (), sweep_prompt(share), (SWEEP_RESPONSE,),
+                             rows=SWEEP_ROWS, whole="the group as one micro-batch")
+                    for share in SWEEP_SHARES)
+
 
 @dataclass
 class Batch:
