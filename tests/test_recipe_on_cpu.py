@@ -143,6 +143,11 @@ def test_rollout_n_follows_the_tree_shape():
         (["spo_algorithm=spo_chain", "algorithm.spo.chain.partition=turn", "algorithm.spo.turns.environment=arithmetic_dialogue",
           "algorithm.spo.turns.max_turn_tokens=100000"],
          r"algorithm\.spo\.turns\.max_turn_tokens=100000 leaves no room in actor_rollout_ref\.rollout\.response_length="),
+        # A context shorter than prompt + response: verl's server would shorten late turns, then refuse one.
+        (["spo_algorithm=spo_chain", "algorithm.spo.chain.partition=turn", "algorithm.spo.turns.environment=arithmetic_dialogue",
+          "data.max_prompt_length=100", "data.max_response_length=60", "+actor_rollout_ref.rollout.max_model_len=150"],
+         r"actor_rollout_ref\.rollout\.max_model_len=150 is less than the prompt and response it must hold: "
+         r"data\.max_prompt_length \(100\) \+ data\.max_response_length \(60\) = 160"),
         (["algorithm.spo.tree.branch_at=turn"], r"algorithm\.spo\.tree\.branch_at=turn needs algorithm\.spo\.turns\.environment"),
         (["algorithm.spo.tree.branch_at=turn", "algorithm.spo.turns.environment=arithmetic_dialogue", "algorithm.spo.turns.max_turns=2"],
          r"algorithm\.spo\.tree\.branching=\[6, 6, 6\] with branch_at=turn branches after 2 turns and plays at least one more: "

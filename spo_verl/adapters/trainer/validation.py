@@ -79,12 +79,27 @@ def validate_spo_run(config: Any) -> None:
                         settings.tree.align_to_block)
         warn_if_segments_split_blocks(settings.tree, rollout, config.trainer.get("device", "cuda"))
 
+    check_context_fits(rollout)
     if plays_episodes(config):
         check_episodes(settings.turns, rollout, config.actor_rollout_ref.model.path)
 
     if settings.packed_training:
         check_packed_training(config)
     check_rollout_log_probs_as_old(config)
+
+
+def check_context_fits(rollout: Any) -> None:
+    """A ``max_model_len`` set below prompt + response: verl's server would silently shorten the
+    responses (a tree's segments, an episode's late turns) that reach past it, and refuse a request (a
+    turn after the environment's reply) that leaves it no room at all."""
+    context = rollout.get("max_model_len", None)
+    if context is not None and context < rollout.prompt_length + rollout.response_length:
+        raise ValueError(
+            f"actor_rollout_ref.rollout.max_model_len={context} is less than the prompt and response it must hold: "
+            f"data.max_prompt_length ({rollout.prompt_length}) + data.max_response_length ({rollout.response_length}) "
+            f"= {rollout.prompt_length + rollout.response_length}; raise it or leave it unset (verl then uses the "
+            f"model's max_position_embeddings)"
+        )
 
 
 def check_episodes(turns: Any, rollout: Any, model_path: str) -> None:
