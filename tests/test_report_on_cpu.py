@@ -11,6 +11,7 @@ under CI (environment variable CI=true), where the browser is part of the set-up
 """
 
 import csv
+import json
 import re
 import os
 import subprocess
@@ -164,6 +165,18 @@ def test_generated_tokens_prefer_the_runs_own_count():
     assert generated_tokens({**step, "spo/tree/generated_tokens": 321.0}) == 321
     assert generated_tokens({**step, "spo/tree/generated_tokens": 321.0, "spo/generated_tokens": 300.0}) == 300
     assert generated_tokens({"critic/score/mean": 0.5}) is None
+
+
+def test_a_resumed_runs_sample_log_keeps_one_record_a_step_the_later_one(tmp_path):
+    from spo_verl.tools.report.runs import read_samples
+
+    # The stopped attempt logged steps 1-3 (checkpoint at 2); the resumed one logged 3 and 4 again.
+    records = [{"step": 1, "attempt": 1}, {"step": 2, "attempt": 1}, {"step": 3, "attempt": 1},
+               {"step": 3, "attempt": 2}, {"step": 4, "attempt": 2}]
+    path = tmp_path / "samples.jsonl"
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    assert [(r["step"], r["attempt"]) for r in read_samples(path)] == [(1, 1), (2, 1), (3, 2), (4, 2)]
+    assert read_samples(None) == []
 
 
 def test_the_algorithm_is_told_from_the_sample_log_or_the_metrics():

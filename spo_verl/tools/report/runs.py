@@ -164,7 +164,12 @@ def step_rows(steps: dict[int, dict], key: str | None) -> list[StepRow]:
 
 
 def read_samples(path: str | Path | None) -> list[dict]:
-    return [] if path is None else read_records(path)
+    """One record per step, in step order: a run resumed from a checkpoint logs again the steps its
+    stopped attempt had logged after that checkpoint, and the later record is the one the run kept."""
+    if path is None:
+        return []
+    by_step = {record.get("step"): record for record in read_records(path)}
+    return sorted(by_step.values(), key=lambda record: record.get("step") or 0)
 
 
 def load_run(label: str, metrics_path: str | Path, samples_path: str | Path | None = None) -> Run:
