@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -97,6 +98,8 @@ def test_benchmarks_page_holds_exactly_the_recorded_gpu_runs():
     assert block.removeprefix(gpu_report.GPU_BLOCK_BEGIN).removesuffix(gpu_report.GPU_BLOCK_END).strip() == \
         "\n".join(gpu_report.render(rows, str(path), first=k == 0) for k, (path, rows) in enumerate(runs)).strip()
     assert gpu_report.GPU_HEADER_LINE in page.splitlines()
+    misses = [line for line in block.splitlines() if "| **MISS**" in line]
+    assert misses and all(re.search(r"\| \*\*MISS\*\* \S.* \|$", line) for line in misses), "a miss needs its reason"
 
 
 def test_record_puts_the_rows_after_the_targets_and_replaces_earlier_ones(dry_run, tmp_path):

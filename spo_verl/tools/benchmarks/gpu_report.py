@@ -69,8 +69,9 @@ def _packing_targets(row: dict, dry: bool) -> list[Target]:
     target = ("packed faster than per-row (> 1x)" if pays else f"reported (packed share above "
               f"`packed_max_token_ratio` {PACKED_MAX_TOKEN_RATIO:g}: training runs it per row)")
     hit = None if dry or not pays else _f(row, "ratio") > 1.0
-    targets.append(Target(f"{name}: forward + backward, per-row vs packed", target, measured, hit,
-                          DRY if dry else ""))
+    reason = DRY if dry else (f"packing did not pay at a packed share of {share:.2f} (under "
+                              f"`packed_max_token_ratio`, so training packs such a micro-batch)" if hit is False else "")
+    targets.append(Target(f"{name}: forward + backward, per-row vs packed", target, measured, hit, reason))
     return targets
 
 
@@ -82,11 +83,15 @@ def _maths_target(row: dict, dry: bool) -> Target:
         share = device_ms / 1e3 / bound
         measured = (f"{share:.3%} of a {bound:.2g} s lower bound ({row['b_side']} {device_ms:.1f} ms, peak "
                     f"{_gib(_f(row, 'b_peak_gib'))} GiB; cpu {_f(row, 'a_ms'):.1f} ms: {ratio} on the {row['b_side']})")
+        hit = None if dry else share < STEP_SHARE_TARGET
+        reason = DRY if dry else ("the advantages took more of the step than the target allows" if hit is False else "")
         return Target(f"3. {where}, {row['label']}: share of a training step", f"well under {STEP_SHARE_TARGET:.0%}",
-                      measured, None if dry else share < STEP_SHARE_TARGET, DRY if dry else "")
+                      measured, hit, reason)
     measured = f"{ratio}: {_f(row, 'a_ms'):.2f} ms vs {_f(row, 'b_ms'):.2f} ms, peak {_gib(_f(row, 'a_peak_gib'))} GiB"
-    return Target(f"4. {where}, {row['label']}", f"<= {LOSS_TARGET:g}x", measured,
-                  None if dry else _f(row, "ratio") <= LOSS_TARGET, DRY if dry else "")
+    hit = None if dry else _f(row, "ratio") <= LOSS_TARGET
+    reason = DRY if dry else ("the probability mask and the whitening over it are more small kernels than this "
+                              "micro-batch's few milliseconds hide" if hit is False else "")
+    return Target(f"4. {where}, {row['label']}", f"<= {LOSS_TARGET:g}x", measured, hit, reason)
 
 
 def _failed(row: dict) -> bool:
