@@ -197,4 +197,3 @@ def keep_gpu_rows(page: str, earlier_page: str) -> str:
     if recorded is None:
         return page
     return splice(page, recorded.removeprefix(GPU_BLOCK_BEGIN).removesuffix(GPU_BLOCK_END))
-
