@@ -95,8 +95,11 @@ def test_benchmarks_page_holds_exactly_the_recorded_gpu_runs():
     page = (REPO / "docs" / "BENCHMARKS.md").read_text()
     block = gpu_report.gpu_block(page)
     assert block is not None
+    rendered = [gpu_report.render(rows, str(path), first=k == 0) for k, (path, rows) in enumerate(runs)]
+    rendered.append(gpu_report.readme_pointer("results/gpu_check/README.md"))  # the runs' provenance beside them
     assert block.removeprefix(gpu_report.GPU_BLOCK_BEGIN).removesuffix(gpu_report.GPU_BLOCK_END).strip() == \
-        "\n".join(gpu_report.render(rows, str(path), first=k == 0) for k, (path, rows) in enumerate(runs)).strip()
+        "\n".join(rendered).strip()
+    assert (REPO / "docs" / "results" / "gpu_check" / "README.md").exists()
     assert gpu_report.GPU_HEADER_LINE in page.splitlines()
     misses = [line for line in block.splitlines() if "| **MISS**" in line]
     assert misses and all(re.search(r"\| \*\*MISS\*\* \S.* \|$", line) for line in misses), "a miss needs its reason"

@@ -30,6 +30,7 @@ import argparse
 import csv
 import datetime
 import importlib.metadata
+import os
 import shlex
 import sys
 import time
@@ -82,6 +83,9 @@ def record(csv_paths: list[Path], benchmarks: Path) -> int:
                   f"are recorded", file=sys.stderr)
             return 2
     rendered = [gpu_report.render(rows, str(path), first=k == 0) for k, (path, rows) in enumerate(runs)]
+    readme = csv_paths[0].parent / "README.md"  # how the runs were made, read beside their CSVs
+    if readme.exists():
+        rendered.append(gpu_report.readme_pointer(os.path.relpath(readme, benchmarks.parent)))
     benchmarks.write_text(gpu_report.splice(benchmarks.read_text(), "\n".join(rendered)))
     _log(f"recorded {sum(len(rows) for _, rows in runs)} rows of {len(runs)} run(s) in {benchmarks}")
     return 0

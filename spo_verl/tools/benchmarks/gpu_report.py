@@ -168,6 +168,10 @@ GPU_HEADER_LINE = ("* GPU: the CPU benchmark ran without one; the section GPU ro
                    "figures, recorded from its own CSV.")
 
 
+def readme_pointer(link: str) -> str:
+    return f"How these runs were made, on which code, and what they show: [{link}]({link}).\n"
+
+
 def gpu_block(text: str) -> str | None:
     """The recorded GPU rows in a BENCHMARKS.md text, markers included, or None."""
     start, end = text.find(GPU_BLOCK_BEGIN), text.find(GPU_BLOCK_END)
