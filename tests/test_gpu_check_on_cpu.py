@@ -153,3 +153,16 @@ def test_share_sweep_puts_grpo_groups_at_each_packed_share(tmp_path):
     shares = [int(row["packed_tokens"]) / int(row["row_tokens"]) for row in swept]
     # The dry run's lengths are the GPU's / 100 (a prompt of at least 2 tokens, so the last shares coincide).
     assert shares == sorted(shares) and shares[0] < 0.6 < 0.8 < shares[-1]
+
+
+def test_a_missing_package_is_named_before_anything_runs(tmp_path):
+    """A GPU machine's Python without omegaconf (as the H200 the check first ran on): one line naming it."""
+    script = ("import sys; sys.modules['omegaconf'] = None; import importlib.util as u; real = u.find_spec; "
+              "u.find_spec = lambda name, *a: None if name == 'omegaconf' else real(name, *a); "
+              "from spo_verl.tools.benchmarks.gpu_check import main; sys.exit(main(sys.argv[1:]))")
+    result = subprocess.run([sys.executable, "-c", script, "--dry-run", "--output", str(tmp_path / "out")], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpu_check: omegaconf not importable") and "pip install omegaconf" in lines[0]
+    assert not (tmp_path / "out").exists()

@@ -30,6 +30,7 @@ import argparse
 import csv
 import datetime
 import importlib.metadata
+import importlib.util
 import os
 import shlex
 import sys
@@ -46,6 +47,7 @@ COLUMNS = [
     "command", "date", "commit", "dry_run", "device_name", "device_memory_gib", "torch", "cuda", "transformers",
     "sdpa_enabled", "model", "parameters", "dtype", "check_seconds",
 ]
+NEEDED = ("torch", "transformers", "omegaconf")  # omegaconf: the SPO core's settings module registers resolvers
 DRY_RUN_SCALE = 100  # the dry run's lengths and budgets are the cluster's divided by this
 FP32_REFERENCE_COST = 6  # a float32 token costs about this many bfloat16 ones on a GPU (for the time budget)
 
@@ -206,6 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.record:
         return record(args.record, args.into)
+    missing = [name for name in NEEDED if importlib.util.find_spec(name) is None]
+    if missing:
+        print(f"gpu_check: {', '.join(missing)} not importable in {sys.executable}: the check needs "
+              f"{', '.join(NEEDED)} (pip install {' '.join(missing)}; PYTHON picks another interpreter)", file=sys.stderr)
+        return 2
     import torch
 
     if not args.dry_run and not torch.cuda.is_available():
