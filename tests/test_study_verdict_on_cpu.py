@@ -4,7 +4,9 @@ the verdict and the minimum detectable difference, with exact numbers."""
 import json
 import math
 
+import numpy as np
 import pytest
+from PIL import Image
 
 from spo_verl.tools.study.verdict import Arm, arms, at_budget, main, paired, t_quantile, validations
 
@@ -70,7 +72,7 @@ def test_the_command_reads_finished_runs_and_writes_each_runs_value(tmp_path, ca
     unfinished.mkdir()
     (unfinished / "metrics.jsonl").write_text(json.dumps({"step": 0, "data": {key: 0.1}}) + "\n")
     assert main(["--output-dir", str(tmp_path), "--budget", "500", "--compare", "spo-grpo", "--csv",
-                 str(tmp_path / "runs.csv")]) == 0
+                 str(tmp_path / "runs.csv"), "--plot", str(tmp_path / "plot" / "paired.png")]) == 0
     out = capsys.readouterr().out
     result = json.loads(out.splitlines()[-1])[0]
     # At 500 tokens: half way from the base model (0.1) to each run's step-1 accuracy.
@@ -85,6 +87,10 @@ def test_the_command_reads_finished_runs_and_writes_each_runs_value(tmp_path, ca
     assert "| grpo | 1 | 0.150 | - |" in out
     sampled_pair = out.split("sampled accuracy")[1].split("The declared comparisons")[0]
     assert "| spo minus grpo | 1 | +10.0 | - | [-, -] | - | not resolved (too few seeds) |" in sampled_pair
+    # The declared comparison drawn: a picture with ink in it (two seeds: the mean, no interval).
+    with Image.open(tmp_path / "plot" / "paired.png") as image:
+        pixels = np.asarray(image.convert("L"))
+    assert pixels.shape[1] > 500 and (pixels < 128).mean() > 0.005
     # A misspelt arm is refused with the finished ones named; a run short of the budget is named as left out.
     with pytest.raises(SystemExit):
         main(["--output-dir", str(tmp_path), "--budget", "500", "--compare", "spo-gpro"])
@@ -116,3 +122,18 @@ def test_the_tuning_rule_takes_each_algorithms_best_rate_and_the_lower_one_on_a_
     assert tuning.choose(sweep) == {"a": ("5e-6", 0.5), "b": ("2e-5", 0.6)}
     with pytest.raises(ValueError, match="c: no tuning run reached the budget"):
         tuning.choose({"c": {"1e-5": None}})
+
+
+def test_the_paired_plot_draws_each_comparison_with_its_interval(tmp_path):
+    from spo_verl.tools.study.verdict_plot import plot_paired
+
+    at = {("spo", s): 0.30 + 0.01 * s for s in range(4)}
+    at.update({("grpo", s): 0.20 + 0.02 * s for s in range(4)})
+    at.update({("chain", s): 0.25 - 0.01 * (s % 2) for s in range(4)})
+    results = [paired(at, "spo", "grpo"), paired(at, "chain", "grpo")]
+    assert [r.verdict for r in results] == ["better", "not resolved"]
+    path = plot_paired(results, 16_000, tmp_path / "paired.png")
+    with Image.open(path) as image:
+        pixels = np.asarray(image.convert("RGB")).astype(int)
+    # Taller with two comparisons than the one-row minimum, and the zero line drawn in red.
+    assert pixels.shape[0] > 200 and ((pixels[..., 0] > 180) & (pixels[..., 1] < 80) & (pixels[..., 2] < 80)).sum() > 50

@@ -198,6 +198,7 @@ def main(argv=None) -> int:
     parser.add_argument("--level", type=float, default=0.975, help="the intervals' level (default 0.975: two "
                                                                     "primary comparisons, Bonferroni)")
     parser.add_argument("--csv", type=Path, help="also write each run's accuracy at the budget here")
+    parser.add_argument("--plot", type=Path, help="also draw the declared comparisons' paired differences here (PNG)")
     args = parser.parse_args(argv)
     pairs = [item.split("-", 1) for item in args.compare.split(",") if item]
     if any(len(pair) != 2 for pair in pairs):
@@ -230,6 +231,10 @@ def main(argv=None) -> int:
         print(render([paired(sampled, algorithm, reference, args.level) for algorithm, reference in pairs]))
     print(f"The declared comparisons: greedy accuracy at {args.budget:,.0f} tokens, paired seeds:")
     print(render(results))
+    if args.plot and results:
+        from spo_verl.tools.study.verdict_plot import plot_paired
+
+        plot_paired(results, args.budget, args.plot)
     print(json.dumps([{**r.__dict__, "verdict": r.verdict} for r in results]))
     return 0
 
