@@ -31,12 +31,13 @@ finished() {  # finished ALGORITHMS SEEDS: every run has its done.json
 close_study() {  # close_study WHICH-RUNS
   (cd "$repo"
    "$python" -m spo_verl.tools.study.verdict --output-dir "$here/runs" --budget 16000 --level 0.975 \
-     --compare spo_tree_cutpoint-grpo_prob_mask,spo_tree_cutpoint-grpo --csv "$here/at_budget.csv" > "$here/verdict.txt"
+     --compare spo_tree_cutpoint-grpo_prob_mask,spo_tree_cutpoint-grpo --csv "$here/at_budget.csv" \
+     --plot "$here/paired_differences.png" > "$here/verdict.txt"
    "$python" -m spo_verl.tools.study.compare --report-only --task steps4 \
      --algorithms spo_tree_cutpoint,grpo_prob_mask,grpo,spo_chain --seeds 0,1,2,3,4,5,6,7 --output-dir "$clone/outputs/study3")
   keep_report "$clone/outputs/study3/report" "$here" "${REPORT_FILES[@]}"
   commit_paths "$study: $1; the verdict at 16,000 tokens and the report's tables" \
-    "$here"/{at_budget.csv,verdict.txt} "${kept[@]}"
+    "$here"/{at_budget.csv,verdict.txt,paired_differences.png} "${kept[@]}"
 }
 
 cd "$clone"

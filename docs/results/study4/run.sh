@@ -54,9 +54,10 @@ archive_finished
 # (per step, per run with seconds by phase, per arm, the final table), kept here and committed.
 cd "$repo"
 "$python" -m spo_verl.tools.study.verdict --output-dir "$here/runs" --budget 8000 --level 0.975 \
-  --compare spo_tree-grpo_prob_mask,spo_chain-grpo_prob_mask --csv "$here/at_budget.csv" > "$here/verdict.txt"
+  --compare spo_tree-grpo_prob_mask,spo_chain-grpo_prob_mask --csv "$here/at_budget.csv" \
+  --plot "$here/paired_differences.png" > "$here/verdict.txt"
 "$python" -m spo_verl.tools.study.compare --report-only --task dialogue2 --algorithms "$arms" --seeds 0,1,2,3 \
   --output-dir "$clone/outputs/study4"
 keep_report "$clone/outputs/study4/report" "$here" "${REPORT_FILES[@]}" turns.csv
 commit_paths "$study: every run in; the verdict at 8,000 tokens and the report's tables" \
-  "$here"/{at_budget.csv,verdict.txt} "${kept[@]}"
+  "$here"/{at_budget.csv,verdict.txt,paired_differences.png} "${kept[@]}"
