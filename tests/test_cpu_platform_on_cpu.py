@@ -228,6 +228,92 @@ def test_workarounds_apply_once_and_refuse_changed_verl(results):
     }
 
 
+SOCKET_CHECKS = textwrap.dedent(
+    r"""
+    import importlib, inspect, json, os, sys, types
+    results = {}
+    import ray, verl  # loads the plugin; VERL_PLATFORM=spo_cpu activates the platform
+    from spo_verl.adapters.cpu_platform import workarounds
+    from verl.workers.rollout.vllm_rollout import vllm_async_server, vllm_rollout
+    from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
+    sender, receiver = vllm_rollout.ServerAdapter.__init__, vllm_async_server.vLLMHttpServer.__init__
+    results["patched"] = [workarounds._is_patched(sender), workarounds._is_patched(receiver)]
+    # verl still names the socket after the job id alone, and a fresh Ray cluster's first job is always 01000000.
+    results["verl_names_by_job"] = "rl-colocate-zmq-{job_id}-replica-" in inspect.getsource(sender.__wrapped__)
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    job = ray.get_runtime_context().get_job_id()
+    key = workarounds.weight_socket_key()
+    results["job"] = job
+    results["key"] = [key.startswith(job + "-"), len(key) > len(job) + 8, key == workarounds.weight_socket_key()]
+    # Both sides through the patch, verl's statements in stand-ins (the real ones need a model and vLLM):
+    # the sender's name and the name verl's own receiver derives from VERL_RAY_JOB_ID agree, and carry the key.
+    folder = os.environ["FAKE_DIR"]
+    sys.path.insert(0, folder)
+    fake = importlib.import_module("fake_verl_rollout")
+    captured = {}
+    original_after_import = workarounds.after_import
+    workarounds.after_import = lambda name, callback: captured.setdefault(name, callback)
+    try:
+        workarounds.patch_weight_socket_name()
+    finally:
+        workarounds.after_import = original_after_import
+    captured["verl.workers.rollout.vllm_rollout.vllm_async_server"](fake)
+    captured["verl.workers.rollout.vllm_rollout.vllm_rollout"](fake)
+    os.environ.pop("VERL_RAY_JOB_ID", None)
+    fake.vLLMHttpServer()
+    handle = fake.ServerAdapter().zmq_handle
+    worker = types.SimpleNamespace(model_runner=None, local_rank=0)
+    results["handles"] = [handle, vLLMColocateWorkerExtension._get_zmq_handle(worker)]
+    results["expected"] = f"ipc:///tmp/rl-colocate-zmq-{key}-replica-0-rank-0.sock"
+    # A verl that names the socket some other way is refused.
+    changed = importlib.import_module("changed_verl_rollout")
+    refused = []
+    for name in ("verl.workers.rollout.vllm_rollout.vllm_async_server", "verl.workers.rollout.vllm_rollout.vllm_rollout"):
+        try:
+            captured[name](changed)
+            refused.append(False)
+        except workarounds.VerlChanged as error:
+            refused.append("review" in str(error))
+    results["refused"] = refused
+    ray.shutdown()
+    print("RESULTS" + json.dumps(results))
+    """
+)
+
+
+def test_concurrent_runs_get_their_own_weight_socket(tmp_path):
+    """Workaround 7: the weight-transfer socket carries the Ray node id beside the job id, on the sender and
+    in what verl's own receiver reads, so two runs on one machine (each job 01000000 of its own cluster)
+    never share it. The end-to-end runs, three at once, sync weights through it at every step."""
+    (tmp_path / "fake_verl_rollout.py").write_text(textwrap.dedent(
+        """
+        import os, ray
+        class vLLMHttpServer:
+            def __init__(self):
+                os.environ["VERL_RAY_JOB_ID"] = ray.get_runtime_context().get_job_id()
+        class ServerAdapter:
+            def __init__(self):
+                job_id = ray.get_runtime_context().get_job_id()
+                self.zmq_handle = f"ipc:///tmp/rl-colocate-zmq-{job_id}-replica-0-rank-0.sock"
+        """))
+    (tmp_path / "changed_verl_rollout.py").write_text(textwrap.dedent(
+        """
+        class vLLMHttpServer:
+            def __init__(self):
+                pass
+        class ServerAdapter:
+            def __init__(self):
+                self.zmq_handle = "tcp://127.0.0.1:5555"
+        """))
+    results = _run(SOCKET_CHECKS, VERL_PLATFORM="spo_cpu", FAKE_DIR=str(tmp_path))
+    assert results["patched"] == [True, True]
+    assert results["verl_names_by_job"], "verl no longer names the socket after the job id alone: drop workaround 7"
+    assert results["job"] == "01000000"  # every Ray cluster's first job: the collision verl's name leaves
+    assert results["key"] == [True, True, True]
+    assert results["handles"] == [results["expected"]] * 2
+    assert results["refused"] == [True, True]
+
+
 def test_gpu_users_never_load_the_platform():
     code = textwrap.dedent(
         """

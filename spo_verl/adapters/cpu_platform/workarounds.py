@@ -240,6 +240,64 @@ def patch_master_port_choice() -> None:
     base.RayWorkerGroup.__init__ = _mark(__init__)
 
 
+# 7. verl/workers/rollout/vllm_rollout/vllm_rollout.py::ServerAdapter.__init__ (sender) and
+#    vllm_async_server.py::vLLMHttpServer.__init__ (receiver, through VERL_RAY_JOB_ID, read by the worker
+#    extension's _get_zmq_handle) name the weight-transfer socket /tmp/rl-colocate-zmq-<Ray job id>-...
+#    A run that starts its own Ray cluster is job 01000000, so concurrent runs on one machine share the
+#    socket: a run's vLLM can receive another run's weights, or its sender waits for ever (seen: two runs
+#    at once, the trainer stuck in BucketedWeightSender._init_buffer). Both sides are on one node, so the
+#    Ray node id, random for every raylet a cluster starts, makes the name the run's own.
+def weight_socket_key() -> str:
+    import ray
+
+    context = ray.get_runtime_context()
+    return f"{context.get_job_id()}-{context.get_node_id()[:16]}"
+
+
+def patch_weight_socket_name() -> None:
+    def patch_receiver(server_module) -> None:
+        server = server_module.vLLMHttpServer
+        original = server.__init__
+        if _is_patched(original):
+            return
+        _require('os.environ["VERL_RAY_JOB_ID"] = ray.get_runtime_context().get_job_id()' in _source(original),
+                 "verl.workers.rollout.vllm_rollout.vllm_async_server.vLLMHttpServer.__init__",
+                 "passes the Ray job id to vLLM's workers in VERL_RAY_JOB_ID")
+
+        @functools.wraps(original)
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            import os
+
+            os.environ["VERL_RAY_JOB_ID"] = weight_socket_key()  # before the engine's workers start
+
+        server.__init__ = _mark(__init__)
+
+    def patch_sender(rollout_module) -> None:
+        adapter = rollout_module.ServerAdapter
+        original = adapter.__init__
+        if _is_patched(original):
+            return
+        _require('rl-colocate-zmq-{job_id}-replica-' in _source(original),
+                 "verl.workers.rollout.vllm_rollout.vllm_rollout.ServerAdapter.__init__",
+                 "names the weight socket after the Ray job id")
+
+        @functools.wraps(original)
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            import ray
+
+            handle = getattr(self, "zmq_handle", None)
+            if handle is not None:
+                job = ray.get_runtime_context().get_job_id()
+                self.zmq_handle = handle.replace(f"-zmq-{job}-", f"-zmq-{weight_socket_key()}-", 1)
+
+        adapter.__init__ = _mark(__init__)
+
+    after_import("verl.workers.rollout.vllm_rollout.vllm_async_server", patch_receiver)
+    after_import("verl.workers.rollout.vllm_rollout.vllm_rollout", patch_sender)
+
+
 WORKAROUNDS = (
     patch_process_group_backend,
     patch_vllm_version_lookup,
@@ -247,6 +305,7 @@ WORKAROUNDS = (
     patch_fsdp_offload_pinning,
     patch_critic_attention,
     patch_master_port_choice,
+    patch_weight_socket_name,
 )
 
 
