@@ -1,6 +1,6 @@
 """The places where verl 0.9.1 (or torch under it) assumes an accelerator, worked around for the
 ``spo_cpu`` platform only: CUDA-only calls in verl's device helpers, FSDP and vLLM set-up (each below
-says which), the PPO critic's attention and the MASTER_PORT choice of concurrent runs.
+says which), the PPO critic's attention, and the MASTER_PORT and weight-socket names of concurrent runs.
 
 Each workaround checks, before patching, that verl's code still has the shape it works around
 (:class:`VerlChanged` otherwise: a new verl must be looked at, not patched blindly), and marks
@@ -13,6 +13,7 @@ import functools
 import importlib.metadata
 import importlib.util
 import inspect
+import os
 import sys
 from pathlib import Path
 
@@ -267,8 +268,6 @@ def patch_weight_socket_name() -> None:
         @functools.wraps(original)
         def __init__(self, *args, **kwargs):
             original(self, *args, **kwargs)
-            import os
-
             os.environ["VERL_RAY_JOB_ID"] = weight_socket_key()  # before the engine's workers start
 
         server.__init__ = _mark(__init__)
