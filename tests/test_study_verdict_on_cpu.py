@@ -137,3 +137,27 @@ def test_the_paired_plot_draws_each_comparison_with_its_interval(tmp_path):
         pixels = np.asarray(image.convert("RGB")).astype(int)
     # Taller with two comparisons than the one-row minimum, and the zero line drawn in red.
     assert pixels.shape[0] > 200 and ((pixels[..., 0] > 180) & (pixels[..., 1] < 80) & (pixels[..., 2] < 80)).sum() > 50
+
+
+def test_a_run_that_trained_past_its_budgets_step_is_named(tmp_path, capsys):
+    """Over its attempts: 400 tokens a step against a 1,000-token budget choose step 3 (400 + 400 + 400 >= 1,000
+    after step 2), so a run that ended at step 4 trained one step too many."""
+    from spo_verl.tools.study.verdict import runs_past_their_budget
+
+    key = "val-core/openai/gsm8k/acc/mean@1"
+    for name, steps in (("kept", 3), ("over", 4)):
+        folder = tmp_path / name / "seed0"
+        folder.mkdir(parents=True)
+        first = [{"step": 0, "data": {key: 0.1}}] + [{"step": s, "data": {"spo/generated_tokens": 400.0}} for s in (1, 2)]
+        second = [{"step": s, "data": {"spo/generated_tokens": 400.0, key: 0.2}} for s in range(3, steps + 1)]
+        (folder / "metrics-attempt1.jsonl").write_text("".join(json.dumps(line) + "\n" for line in first))
+        (folder / "metrics-attempt2.jsonl").write_text("".join(json.dumps(line) + "\n" for line in second))
+        (folder / "attempts.json").write_text(json.dumps([{"metrics": "metrics-attempt1.jsonl", "resumed_from": 0},
+                                                          {"metrics": "metrics-attempt2.jsonl", "resumed_from": 2}]))
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in first + second))
+        (folder / "done.json").write_text(json.dumps({"steps": steps}))
+    assert runs_past_their_budget(tmp_path, 1_000) == ["over/seed0 (4 steps, the budget chose 3)"]
+    assert runs_past_their_budget(tmp_path, 5_000) == []  # the step bound ended both
+    assert main(["--output-dir", str(tmp_path), "--budget", "500", "--training-budget", "1000"]) == 0
+    assert ("Runs that trained past the step their 1,000-token budget chose: over/seed0 (4 steps, the budget chose 3)"
+            in capsys.readouterr().out)

@@ -141,6 +141,20 @@ def _finished_runs(output_dir: Path):
             yield (metrics.parent.parent.name, int(metrics.parent.name.removeprefix("seed"))), metrics.parent
 
 
+def runs_past_their_budget(output_dir: Path, training_budget: float) -> list[str]:
+    """Finished runs that trained past the step their training token budget chose, over all their attempts
+    (a run resumed across sittings must stop where an uninterrupted one would have)."""
+    from spo_verl.tools.study.compare import RunFolder
+
+    past = []
+    for (name, seed), folder in _finished_runs(output_dir):
+        steps = json.loads((folder / "done.json").read_text()).get("steps")
+        chosen = RunFolder.open(folder).chosen_last_step(steps, training_budget) if steps else None
+        if chosen is not None and steps > chosen:
+            past.append(f"{name}/seed{seed} ({steps} steps, the budget chose {chosen})")
+    return past
+
+
 def study_at_budget(output_dir: Path, budget: float) -> dict[tuple[str, int], float | None]:
     """Every finished run's accuracy at the budget, from its merged metrics (``metrics.jsonl``)."""
     return {run: at_budget(validations(read_logged_steps(folder / "metrics.jsonl")), budget)
@@ -199,6 +213,8 @@ def main(argv=None) -> int:
                                                                     "primary comparisons, Bonferroni)")
     parser.add_argument("--csv", type=Path, help="also write each run's accuracy at the budget here")
     parser.add_argument("--plot", type=Path, help="also draw the declared comparisons' paired differences here (PNG)")
+    parser.add_argument("--training-budget", type=float,
+                        help="the runs' --token-budget: also name any run that trained past the step it chose")
     args = parser.parse_args(argv)
     pairs = [item.split("-", 1) for item in args.compare.split(",") if item]
     if any(len(pair) != 2 for pair in pairs):
@@ -222,6 +238,10 @@ def main(argv=None) -> int:
     if short:
         print(f"verdict: no validation reaches {args.budget:,.0f} tokens in {', '.join(short)}: left out of "
               "every pair they are in", file=sys.stderr)
+    if args.training_budget:
+        past = runs_past_their_budget(args.output_dir, args.training_budget)
+        print(f"Runs that trained past the step their {args.training_budget:,.0f}-token budget chose: "
+              f"{', '.join(past) if past else 'none'}")
     results = [paired(at, algorithm, reference, args.level) for algorithm, reference in pairs]
     print(f"Greedy accuracy at {args.budget:,.0f} tokens, each arm (secondary):")
     print(render_arms(arms(at)))
