@@ -30,7 +30,7 @@ finished() {  # finished ALGORITHMS SEEDS: every run has its done.json
 # tokens, per arm, the final table), its page and the plots it shows, of the runs in: kept here, committed.
 close_study() {  # close_study WHICH-RUNS
   (cd "$repo"
-   "$python" -m spo_verl.tools.study.verdict --output-dir "$here/runs" --budget 16000 --level 0.975 \
+   "$python" -m spo_verl.tools.study.verdict --output-dir "$here/runs" --budget 16000 --level 0.975 --training-budget 18000 \
      --compare spo_tree_cutpoint-grpo_prob_mask,spo_tree_cutpoint-grpo --csv "$here/at_budget.csv" \
      --plot "$here/paired_differences.png" > "$here/verdict.txt"
    "$python" -m spo_verl.tools.study.compare --report-only --task steps4 \

@@ -53,7 +53,7 @@ archive_finished
 # Every run in (compare stops this script otherwise): the verdict at the budget and the report's tables
 # (per step, per run with seconds by phase, per arm, the final table), kept here and committed.
 cd "$repo"
-"$python" -m spo_verl.tools.study.verdict --output-dir "$here/runs" --budget 8000 --level 0.975 \
+"$python" -m spo_verl.tools.study.verdict --output-dir "$here/runs" --budget 8000 --level 0.975 --training-budget 10000 \
   --compare spo_tree-grpo_prob_mask,spo_chain-grpo_prob_mask --csv "$here/at_budget.csv" \
   --plot "$here/paired_differences.png" > "$here/verdict.txt"
 "$python" -m spo_verl.tools.study.compare --report-only --task dialogue2 --algorithms "$arms" --seeds 0,1,2,3 \
