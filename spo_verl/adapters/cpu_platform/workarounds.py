@@ -255,46 +255,42 @@ def weight_socket_key() -> str:
     return f"{context.get_job_id()}-{context.get_node_id()[:16]}"
 
 
+def _run_after_init(cls, statement: str, where: str, expected: str, after) -> None:
+    """Wrap ``cls.__init__`` (once) so that ``after(self)`` runs when it returns; ``statement``: the source
+    text verl's ``__init__`` must still hold."""
+    original = cls.__init__
+    if _is_patched(original):
+        return
+    _require(statement in _source(original), where, expected)
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        after(self)
+
+    cls.__init__ = _mark(__init__)
+
+
 def patch_weight_socket_name() -> None:
-    def patch_receiver(server_module) -> None:
-        server = server_module.vLLMHttpServer
-        original = server.__init__
-        if _is_patched(original):
-            return
-        _require('os.environ["VERL_RAY_JOB_ID"] = ray.get_runtime_context().get_job_id()' in _source(original),
-                 "verl.workers.rollout.vllm_rollout.vllm_async_server.vLLMHttpServer.__init__",
-                 "passes the Ray job id to vLLM's workers in VERL_RAY_JOB_ID")
+    def name_receiver(server) -> None:
+        os.environ["VERL_RAY_JOB_ID"] = weight_socket_key()  # before the engine's workers start
 
-        @functools.wraps(original)
-        def __init__(self, *args, **kwargs):
-            original(self, *args, **kwargs)
-            os.environ["VERL_RAY_JOB_ID"] = weight_socket_key()  # before the engine's workers start
+    def name_sender(adapter) -> None:
+        import ray
 
-        server.__init__ = _mark(__init__)
+        handle = getattr(adapter, "zmq_handle", None)
+        if handle is not None:
+            job = ray.get_runtime_context().get_job_id()
+            adapter.zmq_handle = handle.replace(f"-zmq-{job}-", f"-zmq-{weight_socket_key()}-", 1)
 
-    def patch_sender(rollout_module) -> None:
-        adapter = rollout_module.ServerAdapter
-        original = adapter.__init__
-        if _is_patched(original):
-            return
-        _require('rl-colocate-zmq-{job_id}-replica-' in _source(original),
-                 "verl.workers.rollout.vllm_rollout.vllm_rollout.ServerAdapter.__init__",
-                 "names the weight socket after the Ray job id")
-
-        @functools.wraps(original)
-        def __init__(self, *args, **kwargs):
-            original(self, *args, **kwargs)
-            import ray
-
-            handle = getattr(self, "zmq_handle", None)
-            if handle is not None:
-                job = ray.get_runtime_context().get_job_id()
-                self.zmq_handle = handle.replace(f"-zmq-{job}-", f"-zmq-{weight_socket_key()}-", 1)
-
-        adapter.__init__ = _mark(__init__)
-
-    after_import("verl.workers.rollout.vllm_rollout.vllm_async_server", patch_receiver)
-    after_import("verl.workers.rollout.vllm_rollout.vllm_rollout", patch_sender)
+    after_import("verl.workers.rollout.vllm_rollout.vllm_async_server", lambda module: _run_after_init(
+        module.vLLMHttpServer, 'os.environ["VERL_RAY_JOB_ID"] = ray.get_runtime_context().get_job_id()',
+        "verl.workers.rollout.vllm_rollout.vllm_async_server.vLLMHttpServer.__init__",
+        "passes the Ray job id to vLLM's workers in VERL_RAY_JOB_ID", name_receiver))
+    after_import("verl.workers.rollout.vllm_rollout.vllm_rollout", lambda module: _run_after_init(
+        module.ServerAdapter, "rl-colocate-zmq-{job_id}-replica-",
+        "verl.workers.rollout.vllm_rollout.vllm_rollout.ServerAdapter.__init__",
+        "names the weight socket after the Ray job id", name_sender))
 
 
 WORKAROUNDS = (
