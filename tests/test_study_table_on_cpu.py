@@ -3,10 +3,13 @@ problems, on validation dumps written here in verl's format."""
 
 import json
 import math
+import shutil
 
 import pytest
 
+from spo_verl.tools.study import archive
 from spo_verl.tools.study import table as study_table
+from spo_verl.tools.study.archive import problem_key
 
 
 def write_run(folder, base, final, final_step=10):
@@ -41,8 +44,10 @@ def test_gains_and_their_standard_errors(tmp_path, capsys):
     with open(tmp_path / "answers.csv") as handle:
         answers = list(csv.DictReader(handle))
     assert len(answers) == 2 * 3 * 2 * 4  # algorithms x seeds x (first, last) x problems
+    # Problems numbered by their sorted keys: grpo seed 1 got only "problem 0" right.
+    keys = sorted(problem_key(f"problem {i}") for i in range(4))
     assert [a["score"] for a in answers if a["algorithm"] == "grpo" and a["seed"] == "1" and a["step"] == "10"] == [
-        "1", "0", "0", "0"]
+        "1" if key == problem_key("problem 0") else "0" for key in keys]
     out = capsys.readouterr().out
     assert "| spo_tree | 3 | 4 | 0.250 | 0.500 +- 0.144 | +0.250 |" in out and "| spo_tree | +0.333 |" in out
 
@@ -51,6 +56,30 @@ def test_a_run_without_its_base_validation_is_left_out(tmp_path):
     write_run(tmp_path / "grpo" / "seed0", [1, 0], [1, 1])
     (tmp_path / "grpo" / "seed0" / "validation" / "0.jsonl").rename(tmp_path / "grpo" / "seed0" / "validation" / "5.jsonl")
     assert study_table.summarize(study_table.read_runs(study_table.study_runs(tmp_path))) == {}
+
+
+def test_runs_restored_from_the_archive_pair_with_runs_trained_since(tmp_path):
+    """A study resumed on a new machine holds restored runs (their dumps name problems by key) beside
+    runs it trained since (named by prompt): the table pairs them problem by problem, as if all were fresh."""
+    fresh, resumed = tmp_path / "fresh", tmp_path / "resumed"
+    base = [1, 0, 0, 0]
+    finals = {"spo_tree": [[1, 1, 0, 0], [1, 1, 1, 0]], "grpo": [[0, 0, 0, 0], [1, 0, 0, 0]]}
+    for name, runs in finals.items():
+        for seed, final in enumerate(runs):
+            for study in (fresh, resumed):
+                write_run(study / name / f"seed{seed}", base, final)
+    for name in finals:  # seed 0 of every arm went through the archive, seed 1 trained on the new machine
+        (resumed / name / "seed0" / "done.json").write_text("{}")
+    archive.save(resumed, tmp_path / "archive")
+    for name in finals:
+        shutil.rmtree(resumed / name / "seed0")
+    assert len(archive.restore(tmp_path / "archive", resumed)) == 2
+    assert json.loads((resumed / "grpo" / "seed0" / "validation" / "0.jsonl").read_text().splitlines()[0])["input"] == \
+        problem_key("problem 0")
+    expected, got = (study_table.read_runs(study_table.study_runs(study)) for study in (fresh, resumed))
+    assert study_table.summarize(got) == study_table.summarize(expected)
+    assert study_table.summarize(got)["spo_tree"].problems == 4
+    assert study_table.difference(got, "spo_tree", "grpo") == study_table.difference(expected, "spo_tree", "grpo")
 
 
 def test_the_study_writes_its_table_and_answers_beside_the_report(tmp_path):

@@ -20,6 +20,7 @@ import argparse
 import csv
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -29,8 +30,18 @@ ANSWERS_FILE = "answers.csv"
 ANSWER_COLUMNS = ("kind", "step", "problem", "sample", "score")
 
 
+_KEY = re.compile(r"[0-9a-f]{12}")
+
+
 def problem_key(prompt: str) -> str:
     return hashlib.sha1(prompt.encode("utf-8")).hexdigest()[:12]
+
+
+def problem_of(dump_input: str) -> str:
+    """The key of the problem a validation dump's line answers. A fresh dump names the problem by its
+    prompt, a restored one by its key already (no chat prompt is twelve hex digits), so runs restored
+    from the archive and runs trained since pair problem by problem."""
+    return dump_input if _KEY.fullmatch(dump_input) else problem_key(dump_input)
 
 
 def finished_runs(output_dir: Path) -> list[Path]:
@@ -47,7 +58,7 @@ def answer_rows(run: Path) -> list[dict]:
                 if not line.strip():
                     continue
                 record = json.loads(line)
-                problem = problem_key(record["input"])
+                problem = problem_of(record["input"])
                 seen[problem] = seen.get(problem, -1) + 1
                 rows.append({"kind": kind, "step": int(dump.stem), "problem": problem,
                              "sample": seen[problem], "score": float(record["score"])})

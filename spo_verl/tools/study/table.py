@@ -27,15 +27,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from spo_verl.tools.standard_error import standard_error
+from spo_verl.tools.study.archive import problem_of
 
 
 def read_dump(path: Path) -> dict[str, float]:
-    """Score of each held-out problem (keyed by its prompt) in one validation dump."""
+    """Score of each held-out problem (keyed as the archive keys it) in one validation dump."""
     scores = {}
     for line in path.read_text(encoding="utf-8").splitlines():
         if line.strip():
             record = json.loads(line)
-            scores[record["input"]] = float(record["score"])
+            scores[problem_of(record["input"])] = float(record["score"])
     return scores
 
 
@@ -142,7 +143,7 @@ def study_runs(output_dir: Path) -> dict[str, list[Path]]:
 
 def export_answers(read: dict[str, list[RunScores]], path: Path) -> Path:
     """Every held-out answer's score at each run's first and last validation, one CSV row each
-    (``problem``: the answer's position in the sorted prompts), so the table can be recomputed
+    (``problem``: the answer's position among the sorted problem keys, the same in every run), so the table can be recomputed
     without the dumps."""
     import csv
 
