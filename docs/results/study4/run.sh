@@ -9,7 +9,7 @@
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
 clone="${1:-$repo/../study4}"
-commit=b8621e8  # the declared commit, amended before any run (docs/STUDY.md)
+commit=46c084c  # the declared commit, amended before any run (docs/STUDY.md)
 study="The multi-turn study"
 here=docs/results/study4
 arms=spo_tree,spo_chain,grpo_prob_mask,grpo
