@@ -131,6 +131,7 @@ def recorded_runs(tmp_path_factory):
                                                **{"spo/tree/generated_tokens": 100.0 + step, **validation,
                                                   "spo/credit/blame_on_error": 0.1 * step, "spo/credit/blame_on_error_masked": 0.2,
                                                   "spo/trained_tokens": 40.0 + step,
+                                                  "spo/packing/packed_tokens": 150.0 + step, "spo/packing/row_tokens": 450.0,
                                                   "timing_s/gen": 4.0, "timing_s/update_actor": 3.0,
                                                   **({"timing_s/testing": 1.5} if validation else {})})))
         chain_steps.append((step, training_step(0.25 + 0.1 * step, 20.0, 1000, 10.0, 15.0,
@@ -221,6 +222,8 @@ def test_results_csv_has_one_row_per_run_and_step_with_the_recorded_numbers(reco
     assert tree["blame_on_error_net"] == "" and grpo["blame_on_error"] == ""
     # Trained tokens as the SPO estimator logged them; verl's baselines log none.
     assert float(tree["trained_tokens"]) == 43 and grpo["trained_tokens"] == ""
+    # What an optimizer update's forward and backward computed, as the packed engine logged it; none without it.
+    assert float(tree["actor_tokens_per_update"]) == 153 and grpo["actor_tokens_per_update"] == ""
     assert float(chain["wall_time_s"]) == 20 and float(chain["cumulative_wall_time_s"]) == 60
     # Wall time by phase, from verl's timing_s/<phase> (empty where a phase did not run).
     assert float(tree["gen_s"]) == 4 and float(tree["update_actor_s"]) == 3 and tree["testing_s"] == ""
@@ -232,6 +235,7 @@ def test_results_csv_has_one_row_per_run_and_step_with_the_recorded_numbers(reco
     assert float(summary["SPO-chain"]["total_generated_tokens"]) == 4000
     assert float(summary["SPO-tree"]["total_trained_tokens"]) == 41 + 42 + 43 + 44
     assert summary["GRPO+mask"]["total_trained_tokens"] == ""
+    assert float(summary["SPO-tree"]["actor_tokens_per_update"]) == 152.5 and summary["GRPO+mask"]["actor_tokens_per_update"] == ""
     assert summary["SPO-tree"]["algorithm"] == "spo_tree" and summary["SPO-tree"]["accuracy_metric"] == ACCURACY
     assert summary["GRPO+mask"]["algorithm"] == "grpo_prob_mask"  # grpo with the spo_prob_mask loss
     assert float(summary["SPO-tree"]["gen_s"]) == 16 and float(summary["SPO-tree"]["testing_s"]) == 3
@@ -318,7 +322,8 @@ def test_seeds_of_one_algorithm_are_summarised_with_their_standard_error(tmp_pat
     for algorithm, values in finals.items():
         for seed, final in enumerate(values):
             steps = [(0, {ACCURACY: 0.25})]
-            trained = {"spo/trained_tokens": 10.0 * (seed + 1)} if algorithm == "spo_tree" else {}
+            trained = ({"spo/trained_tokens": 10.0 * (seed + 1), "spo/packing/packed_tokens": 100.0 * (seed + 1)}
+                       if algorithm == "spo_tree" else {})
             steps += [(step, training_step(0.5, 10.0, 1000, 10, 15, **{"spo/generated_tokens": 100.0 + seed, **trained}))
                       for step in (1, 2, 3)]
             steps += [(2, {ACCURACY: 0.1}), (3, {ACCURACY: final})]
@@ -339,6 +344,7 @@ def test_seeds_of_one_algorithm_are_summarised_with_their_standard_error(tmp_pat
     assert float(grpo["best_heldout_accuracy_mean"]) == pytest.approx(0.25)  # not the base model's 0.25 + ...
     assert float(tree["generated_tokens_mean"]) == pytest.approx(3 * 101)
     assert float(tree["trained_tokens_mean"]) == pytest.approx(3 * 20) and grpo["trained_tokens_mean"] == ""
+    assert float(tree["actor_tokens_per_update_mean"]) == pytest.approx(200) and grpo["actor_tokens_per_update_mean"] == ""
     with written["summary.csv"].open() as handle:
         summary = {r["run"]: r for r in csv.DictReader(handle)}
     assert float(summary["grpo/seed0"]["best_heldout_accuracy"]) == pytest.approx(0.2)  # step 0's 0.25 left out

@@ -70,7 +70,7 @@ def group_table(groups: Sequence[GroupSummary]) -> str:
     if not any(group.seeds > 1 for group in groups):
         return ""
     header = ["algorithm", "seeds", "base model held-out acc", "final held-out acc", "best held-out acc (after step 0)",
-              "generated tokens (mean)", "trained tokens (mean)", "steps (mean)", "wall time of steps, s (mean)",
+              "generated tokens (mean)", "trained tokens (mean)", "actor tokens per update (mean)", "steps (mean)", "wall time of steps, s (mean)",
               *_phase_header()]
     rows = ["<table class='summary'><tr>" + "".join(f"<th>{h}</th>" for h in header) + "</tr>"]
     for g in groups:
@@ -79,13 +79,16 @@ def group_table(groups: Sequence[GroupSummary]) -> str:
                  _with_error(g.best_heldout_accuracy_mean, g.best_heldout_accuracy_se),
                  f"{g.generated_tokens_mean:,.0f}",
                  "-" if g.trained_tokens_mean is None else f"{g.trained_tokens_mean:,.0f}",
+                 "-" if g.actor_tokens_per_update_mean is None else f"{g.actor_tokens_per_update_mean:,.0f}",
                  f"{g.steps_mean:.1f}", f"{g.wall_time_s_mean:,.0f}",
                  *_phase_cells(g.wall_time_s_mean, g.phase_s_mean)]
         rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     rows.append("</table><p class='meta'>&plusmn;: one standard error over seeds (sample standard deviation / "
                 "&radic;seeds); it leaves out the held-out set's own sampling error. Trained tokens: spo/trained_tokens "
                 "summed over the run (response tokens with a non-zero advantage, each tree segment once; SPO's "
-                "estimators only, so - for verl's baselines). Wall time: verl's timing_s/step "
+                "estimators only, so - for verl's baselines). Actor tokens per update: spo/packing/packed_tokens, the tokens "
+                "the actor's forward and backward computed in one optimizer update, averaged over the run's steps "
+                "(packed training only; a prefix shared by several rows counted once). Wall time: verl's timing_s/step "
                  "summed over the run's steps, split by its timers (timing_s/gen, old_log_prob, update_actor; the "
                  "rest as other); validation (timing_s/testing, outside the step timer) beside it; means over "
                  "seeds.</p>")

@@ -15,6 +15,11 @@ Per step (``StepRow``):
   the recipe's baselines never need any.)
 * trained tokens: ``spo/trained_tokens`` (response tokens whose segment the step trains: non-zero
   advantage, each tree segment once), logged by the SPO estimators only; empty for verl's baselines;
+* actor tokens per update: ``spo/packing/packed_tokens`` as verl logs it, with packed training only:
+  the tokens the actor's forward and backward computed in one optimizer update (verl averages the
+  packed engine's per-update sums over the step's updates and data-parallel ranks). Rows that train
+  nothing are not computed and a prefix shared by several rows is computed once, so this is the
+  actor's cost for every algorithm alike where they share the number of updates a step;
 * multi-turn episodes: every ``spo/turns/*`` metric the step logged (turns and environment-reply tokens
   an episode, how episodes ended, SPO's values before each turn), by name without the prefix;
 * wall time: ``timing_s/step``, and by phase verl's other ``timing_s/*`` timers (``PHASES``: generation,
@@ -41,6 +46,7 @@ CREDIT_KEYS = {"blame_on_error": "spo/credit/blame_on_error", "blame_on_error_ma
 PHASES = ("gen", "reward", "old_log_prob", "adv", "update_actor", "update_weights", "testing", "save_checkpoint")
 GENERATED_TOKENS_KEY = "spo/generated_tokens"  # spo_verl.adapters.trainer.token_budget, when the run logs it
 TRAINED_TOKENS_KEY = "spo/trained_tokens"
+ACTOR_TOKENS_KEY = "spo/packing/packed_tokens"
 TURNS_PREFIX = "spo/turns/"
 TREE_TOKENS_KEY = "spo/tree/generated_tokens"
 CHAIN_MC_TOKENS_KEY = "spo/chain/mc_tokens"
@@ -56,6 +62,7 @@ class StepRow:
     training_reward: float | None
     heldout_accuracy: float | None
     trained_tokens: float | None
+    actor_tokens_per_update: float | None
     wall_time_s: float | None
     cumulative_wall_time_s: float
     phase_s: dict[str, float] = field(default_factory=dict)  # PHASES that ran this step: seconds
@@ -155,6 +162,7 @@ def step_rows(steps: dict[int, dict], key: str | None) -> list[StepRow]:
             step=step, generated_tokens=tokens, cumulative_generated_tokens=tokens_so_far,
             training_reward=data.get(REWARD_KEY), heldout_accuracy=data.get(key) if key else None,
             trained_tokens=data.get(TRAINED_TOKENS_KEY),
+            actor_tokens_per_update=data.get(ACTOR_TOKENS_KEY),
             wall_time_s=wall, cumulative_wall_time_s=time_so_far,
             phase_s={phase: data[TIMING_PREFIX + phase] for phase in PHASES if TIMING_PREFIX + phase in data},
             **{name: data.get(key) for name, key in CREDIT_KEYS.items()},

@@ -14,9 +14,9 @@ from spo_verl.tools.standard_error import mean_and_se
 
 PHASE_COLUMNS = [f"{phase}_s" for phase in PHASES]  # verl's timing_s/<phase> of a step
 RESULT_COLUMNS = ["run", "algorithm", "seed", "step", "generated_tokens", "cumulative_generated_tokens", "training_reward",
-                  "heldout_accuracy", "trained_tokens", "wall_time_s", "cumulative_wall_time_s", *CREDIT_KEYS, *PHASE_COLUMNS]
+                  "heldout_accuracy", "trained_tokens", "actor_tokens_per_update", "wall_time_s", "cumulative_wall_time_s", *CREDIT_KEYS, *PHASE_COLUMNS]
 SUMMARY_COLUMNS = ["run", "algorithm", "steps", "base_heldout_accuracy", "final_heldout_accuracy", "best_heldout_accuracy",
-                   "final_training_reward", "total_generated_tokens", "total_trained_tokens", "total_wall_time_s", "accuracy_metric"]
+                   "final_training_reward", "total_generated_tokens", "total_trained_tokens", "actor_tokens_per_update", "total_wall_time_s", "accuracy_metric"]
 
 
 @dataclass
@@ -30,6 +30,7 @@ class Summary:
     final_training_reward: float | None
     total_generated_tokens: float
     total_trained_tokens: float | None  # None where no step logged spo/trained_tokens (verl's baselines)
+    actor_tokens_per_update: float | None  # mean over the steps; None without packed training
     total_wall_time_s: float
     accuracy_metric: str | None
     phase_s: dict[str, float]  # seconds per phase over all steps (summary.csv: <phase>_s)
@@ -42,6 +43,7 @@ def summarize(run: Run) -> Summary:
     rewards = [row.training_reward for row in run.steps if row.training_reward is not None]
     last = run.steps[-1] if run.steps else None
     trained = [row.trained_tokens for row in run.steps if row.trained_tokens is not None]
+    actor = [row.actor_tokens_per_update for row in run.steps if row.actor_tokens_per_update is not None]
     return Summary(
         run=run.label, algorithm=run.algorithm, steps=len(rewards), base_heldout_accuracy=base,
         final_heldout_accuracy=accuracies[-1] if accuracies else None,
@@ -49,6 +51,7 @@ def summarize(run: Run) -> Summary:
         final_training_reward=rewards[-1] if rewards else None,
         total_generated_tokens=last.cumulative_generated_tokens if last else 0.0,
         total_trained_tokens=sum(trained) if trained else None,
+        actor_tokens_per_update=sum(actor) / len(actor) if actor else None,
         total_wall_time_s=last.cumulative_wall_time_s if last else 0.0,
         accuracy_metric=run.accuracy_key,
         phase_s={phase: sum(row.phase_s.get(phase, 0.0) for row in run.steps) for phase in PHASES},
@@ -106,7 +109,7 @@ def write_summary_csv(summaries: Sequence[Summary], path: Path) -> Path:
 
 GROUP_COLUMNS = ["group", "algorithm", "seeds", "base_heldout_accuracy", "final_heldout_accuracy_mean",
                  "final_heldout_accuracy_se", "best_heldout_accuracy_mean", "best_heldout_accuracy_se",
-                 "generated_tokens_mean", "trained_tokens_mean", "steps_mean", "wall_time_s_mean"]
+                 "generated_tokens_mean", "trained_tokens_mean", "actor_tokens_per_update_mean", "steps_mean", "wall_time_s_mean"]
 
 
 @dataclass
@@ -124,6 +127,7 @@ class GroupSummary:
     best_heldout_accuracy_se: float | None
     generated_tokens_mean: float
     trained_tokens_mean: float | None  # over the seeds that logged them
+    actor_tokens_per_update_mean: float | None  # over the seeds that logged them
     steps_mean: float
     wall_time_s_mean: float
     phase_s_mean: dict[str, float]  # groups.csv: <phase>_s_mean
@@ -145,6 +149,7 @@ def summarize_groups(runs: Sequence[Run], summaries: Sequence[Summary]) -> list[
             best_heldout_accuracy_mean=best[0], best_heldout_accuracy_se=best[1],
             generated_tokens_mean=mean_and_se(picked("total_generated_tokens"))[0] or 0.0,
             trained_tokens_mean=mean_and_se(picked("total_trained_tokens"))[0],
+            actor_tokens_per_update_mean=mean_and_se(picked("actor_tokens_per_update"))[0],
             steps_mean=mean_and_se(picked("steps"))[0] or 0.0,
             wall_time_s_mean=mean_and_se(picked("total_wall_time_s"))[0] or 0.0,
             phase_s_mean={phase: mean_and_se([s.phase_s.get(phase, 0.0) for _, s in members])[0] for phase in PHASES},
