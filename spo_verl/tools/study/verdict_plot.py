@@ -16,7 +16,7 @@ from spo_verl.tools.study.verdict import Paired  # noqa: E402
 
 def plot_paired(results: Sequence[Paired], budget: float, path: Path) -> Path:
     """One row per comparison, differences in points of accuracy at ``budget`` tokens."""
-    figure, axis = plt.subplots(figsize=(7.5, 1.2 + 0.9 * len(results)))
+    figure, axis = plt.subplots(figsize=(7.5, 1.5 + 0.9 * len(results)))
     for row, result in enumerate(results):
         y = len(results) - 1 - row
         points = [100 * d for d in result.differences]
@@ -38,8 +38,9 @@ def plot_paired(results: Sequence[Paired], budget: float, path: Path) -> Path:
     axis.set_yticks(range(len(results)))
     axis.set_yticklabels([f"{r.algorithm}\nminus {r.reference}\n({r.verdict})" for r in reversed(results)], fontsize=8)
     axis.set_ylim(-0.8, len(results) - 0.4)
-    axis.set_xlabel(f"difference in greedy held-out accuracy at {budget:,.0f} generated tokens (points), paired by seed")
-    axis.legend(fontsize=7, loc="best")
+    axis.set_xlabel(f"difference in greedy held-out accuracy (points)\nat {budget:,.0f} generated tokens, paired by seed")
+    # Above the axes: inside, it would cover a comparison's points or interval.
+    axis.legend(fontsize=7, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, frameon=False)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)
