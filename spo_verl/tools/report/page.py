@@ -70,8 +70,8 @@ def group_table(groups: Sequence[GroupSummary]) -> str:
     if not any(group.seeds > 1 for group in groups):
         return ""
     header = ["algorithm", "seeds", "base model held-out acc", "final held-out acc", "best held-out acc (after step 0)",
-              "generated tokens (mean)", "trained tokens (mean)", "actor tokens per update (mean)", "steps (mean)", "wall time of steps, s (mean)",
-              *_phase_header()]
+              "generated tokens (mean)", "trained tokens (mean)", "actor tokens per update (mean)", "steps (mean)",
+              "wall time of steps, s (mean)", *_phase_header()]
     rows = ["<table class='summary'><tr>" + "".join(f"<th>{h}</th>" for h in header) + "</tr>"]
     for g in groups:
         cells = [html.escape(g.group), str(g.seeds), _number(g.base_heldout_accuracy),
