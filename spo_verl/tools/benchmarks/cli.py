@@ -147,7 +147,7 @@ at 128 KiB so freed tensors leave the resident set): the case's inputs are built
 peak-RSS mark is reset (`/proc/self/clear_refs`), it runs again, and the figure is the peak resident set
 size reached above the resident size just before that call (inputs excluded).
 
-{table(["case", "inputs MiB", "peak MiB above inputs"], [[case, f"{v['inputs_mib']:.0f}", f"{v['peak_mib']:.0f}"] for case, v in memory.items()])}
+{table(["case", "inputs MiB", "peak MiB above inputs"], [[case, str(round(v['inputs_mib'])), str(round(v['peak_mib']))] for case, v in memory.items()])}
 """)
     results["memory"] = memory
     return results
