@@ -212,6 +212,8 @@ def test_results_csv_has_one_row_per_run_and_step_with_the_recorded_numbers(reco
     assert float(tree["generated_tokens"]) == 103 and float(tree["cumulative_generated_tokens"]) == 101 + 102 + 103
     # Response tokens = rows x response_length/mean, rows = 1000 / (10 + 15) = 40; SPO-chain adds its MC tokens.
     assert float(grpo["generated_tokens"]) == 600 and float(chain["generated_tokens"]) == 1000
+    # Of those, SPO-chain's Monte Carlo continuations, as it logged them; none for the others.
+    assert float(chain["monte_carlo_tokens"]) == 400 and tree["monte_carlo_tokens"] == grpo["monte_carlo_tokens"] == ""
     assert float(grpo["cumulative_generated_tokens"]) == 1800
     assert float(tree["training_reward"]) == pytest.approx(0.6) and tree["heldout_accuracy"] == ""
     assert float(by_key[("SPO-tree", 4)]["heldout_accuracy"]) == pytest.approx(0.5)

@@ -65,6 +65,7 @@ class StepRow:
     actor_tokens_per_update: float | None
     wall_time_s: float | None
     cumulative_wall_time_s: float
+    monte_carlo_tokens: float | None = None  # SPO-chain's continuations, part of generated_tokens
     phase_s: dict[str, float] = field(default_factory=dict)  # PHASES that ran this step: seconds
     blame_on_error: float | None = None  # CREDIT_KEYS, where the step logged them
     blame_on_error_masked: float | None = None
@@ -164,6 +165,7 @@ def step_rows(steps: dict[int, dict], key: str | None) -> list[StepRow]:
             trained_tokens=data.get(TRAINED_TOKENS_KEY),
             actor_tokens_per_update=data.get(ACTOR_TOKENS_KEY),
             wall_time_s=wall, cumulative_wall_time_s=time_so_far,
+            monte_carlo_tokens=data.get(CHAIN_MC_TOKENS_KEY),
             phase_s={phase: data[TIMING_PREFIX + phase] for phase in PHASES if TIMING_PREFIX + phase in data},
             **{name: data.get(key) for name, key in CREDIT_KEYS.items()},
             turns={k.removeprefix(TURNS_PREFIX): v for k, v in data.items() if k.startswith(TURNS_PREFIX)},

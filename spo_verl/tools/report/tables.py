@@ -15,7 +15,7 @@ from spo_verl.tools.standard_error import mean_and_se
 PHASE_COLUMNS = [f"{phase}_s" for phase in PHASES]  # verl's timing_s/<phase> of a step
 RESULT_COLUMNS = ["run", "algorithm", "seed", "step", "generated_tokens", "cumulative_generated_tokens", "training_reward",
                   "heldout_accuracy", "trained_tokens", "actor_tokens_per_update", "wall_time_s", "cumulative_wall_time_s",
-                  *CREDIT_KEYS, *PHASE_COLUMNS]
+                  "monte_carlo_tokens", *CREDIT_KEYS, *PHASE_COLUMNS]
 SUMMARY_COLUMNS = ["run", "algorithm", "steps", "base_heldout_accuracy", "final_heldout_accuracy", "best_heldout_accuracy",
                    "final_training_reward", "total_generated_tokens", "total_trained_tokens", "actor_tokens_per_update",
                    "total_wall_time_s", "accuracy_metric"]
