@@ -5,7 +5,9 @@ test_end_to_end_on_cpu."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -85,6 +87,50 @@ def test_a_run_resumed_after_it_chose_its_last_step_is_held_to_it(tmp_path, monk
     assert (trained["steps"], trained["generated_tokens"], trained["attempts"]) == (3, 1_200, 2)
 
 
+# A stand-in trainer (the real one cannot be made to hang on cue): it logs as verl's file logger does and,
+# on the attempts listed in STALL_ON, stops logging after step 1 and waits for ever, as verl's trainer does
+# when Ray has killed its vLLM server.
+STALLING_TRAINER = """
+import json, os, sys, time
+counter, stall_on = sys.argv[1], {int(a) for a in sys.argv[2].split(",") if a}
+attempt = int(open(counter).read()) + 1 if os.path.exists(counter) else 1
+open(counter, "w").write(str(attempt))
+with open(os.environ["VERL_FILE_LOGGER_PATH"], "a") as log:
+    for step in (0, 1, 2):
+        if step == 2 and attempt in stall_on:
+            log.flush()
+            time.sleep(600)
+        data = {"val-core/x/acc/mean@1": 0.5} if step in (0, 2) else {}
+        log.write(json.dumps({"step": step, "data": {**data, **({%r: 600.0} if step else {})}}) + "\\n")
+""" % study.GENERATED
+
+
+@pytest.mark.parametrize("stall_on, trained", [("1", True), ("1,2,3", False)])
+def test_a_run_that_stops_logging_is_stopped_and_resumed(tmp_path, monkeypatch, capsys, stall_on, trained):
+    """A stalled attempt's whole process group is ended and the run started again from its last checkpoint
+    (here none: from the base model); one that stalls every time gives up after STALL_RETRIES resumptions."""
+    script, counter = tmp_path / "trainer.py", tmp_path / "attempts"
+    script.write_text(STALLING_TRAINER)
+    monkeypatch.setattr(study, "_launch_command", lambda *args: [sys.executable, str(script), str(counter), stall_on])
+    config = study.Study(**{**study.QUICK, "token_budget": 1_000, "max_steps": 10, "output_dir": tmp_path,
+                            "stall_minutes": 3 / 60})
+    folder = study.RunFolder.open(tmp_path / "grpo" / "seed0")
+    assert study._train(config, folder, "grpo", 0) is trained
+    out = capsys.readouterr().out
+    attempts = study.RunFolder.open(folder.path).attempts
+    stalls = 1 if trained else study.STALL_RETRIES + 1
+    assert len(attempts) == stalls + trained and int(counter.read_text()) == len(attempts)
+    assert out.count("grpo/seed0: no step logged for 0.05 minutes while its trainer ran; stopped it") == stalls
+    assert out.count("resuming from its last checkpoint") == (1 if trained else study.STALL_RETRIES)
+    assert ("rerun the command to resume" in out) is not trained
+    for attempt in attempts[:stalls]:  # nothing of a stalled attempt is left running
+        with pytest.raises(ProcessLookupError):
+            os.killpg(attempt["process_group"], 0)
+    if trained:
+        summary = json.loads((folder.path / study.TRAINED_FILE).read_text())
+        assert (summary["steps"], summary["generated_tokens"], summary["attempts"]) == (2, 1_200, 2)
+
+
 def test_options_and_their_errors(capsys):
     quick = study.parse_args(["--quick"])
     assert (quick.setting, quick.algorithms, quick.seeds, quick.token_budget) == ("cpu-tiny", ("spo_tree", "spo_tree_cutpoint"), (0,), 500)
@@ -110,12 +156,14 @@ def test_options_and_their_errors(capsys):
     assert tuned.training_overrides("grpo")[0] == "actor_rollout_ref.actor.optim.lr=1e-05"
     assert (tuned.validate_on, tuned.sampled_validation, default.validate_on, default.sampled_validation) == ("tune", 4, "test", 0)
     assert study.parse_args(["--report-only"]).report_only and not default.report_only
+    assert (default.stall_minutes, study.parse_args(["--stall-minutes", "0"]).stall_minutes) == (60.0, 0.0)
     for argv, message in [(["--algorithms", "spo_tree,dpo"], "--algorithms must be a non-empty subset"),
                           (["--token-budget", "0"], "--token-budget must be a positive integer, got 0"),
                           (["--lr", "-1"], "--lr must be positive"),
                           (["--lr", "grpo=fast"], "expected a rate or algorithm=rate pairs"),
                           (["--algorithms", "grpo", "--lr", "spo_tree=1e-5"], "--lr names algorithms the study does not run: spo_tree"),
                           (["--sampled-validation", "-1"], "--sampled-validation must be 0 (none) or a number of samples"),
+                          (["--stall-minutes", "-5"], "--stall-minutes must be 0 (never) or a number of minutes, got -5.0"),
                           (["--quick", "--validate-on", "tune"], "--validate-on tune needs the cpu-smollm2 setting"),
                           (["--prompts-per-step", "5"], "--prompts-per-step must be an even number of at least 2"),
                           (["--setting", "laptop"], "invalid choice: 'laptop'"),

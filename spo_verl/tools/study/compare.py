@@ -58,6 +58,8 @@ VALIDATION_KEY_PREFIX = "val-core/"
 GENERATED = "spo/generated_tokens"
 DONE_FILE, ATTEMPTS_FILE, TRAINED_FILE = "done.json", "attempts.json", "trained.json"
 SAMPLED_METRICS_FILE = "metrics-sampled-validation.jsonl"
+# A run that logs no step for --stall-minutes is stopped and resumed from its checkpoint, at most this often.
+STALL_RETRIES = 2
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ class Study:
     validate_on: str = "test"  # cpu-smollm2: the held-out problems ("test") or the problems it tunes on ("tune")
     sampled_validation: int = 0  # after training, this many samples a problem at the training temperature (0: none)
     report_only: bool = False  # train nothing: the report and table of the runs that have finished
+    stall_minutes: float = 60.0  # a training attempt that logs no step for this long is stopped and resumed (0: never)
 
     def learning_rate(self, algorithm: str) -> float | None:
         return dict(self.lr_by_algorithm).get(algorithm, self.lr)
@@ -215,17 +218,29 @@ class RunFolder:
         return merged
 
 
-def _follow(process: subprocess.Popen, metrics: Path, name: str, spent: float, budget: int, poll_s: float = 2.0):
-    printed = 0
+class RunStalled(RuntimeError):
+    """A training attempt logged no step for the study's ``stall_minutes`` while its trainer lived: when Ray
+    kills a vLLM server or a worker (its memory monitor does so under memory pressure), verl's trainer can wait
+    for its answers for ever."""
+
+
+def _follow(process: subprocess.Popen, metrics: Path, name: str, spent: float, budget: int,
+            stall_s: float | None = None, poll_s: float = 2.0):
+    """Print each step the run logs until its process ends; :class:`RunStalled` when ``stall_s`` pass
+    without a new step while it runs."""
+    printed, progressed = 0, time.monotonic()
     while True:
         finished = process.poll() is not None
         steps = read_logged_steps(metrics)
         for step, data in steps[printed:]:
             spent += data.get(GENERATED, 0.0) if step > 0 else 0.0
             print(progress_line(name, step, data, spent, budget), flush=True)
-        printed = len(steps)
+        if len(steps) > printed:
+            printed, progressed = len(steps), time.monotonic()
         if finished:
             return
+        if stall_s and time.monotonic() - progressed > stall_s:
+            raise RunStalled(f"no step logged for {stall_s / 60:g} minutes while its trainer ran")
         time.sleep(poll_s)
 
 
@@ -320,14 +335,14 @@ def _launch_command(study: Study, folder: "RunFolder", algorithm: str, seed: int
 
 
 def _run_logged(command: list[str], env: dict, console: Path, record_process, metrics: Path, name: str,
-                spent: float, budget: int) -> int:
+                spent: float, budget: int, stall_s: float | None = None) -> int:
     with open(console, "w") as out:
         # Its own session, so that stopping the study stops the run's Ray and vLLM processes with it.
         process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
                                    start_new_session=True)
         record_process(process.pid)
         try:
-            _follow(process, metrics, name, spent, budget)
+            _follow(process, metrics, name, spent, budget, stall_s)
         except BaseException:
             _stop_run(process)
             raise
@@ -335,6 +350,18 @@ def _run_logged(command: list[str], env: dict, console: Path, record_process, me
 
 
 def _train(study: Study, folder: "RunFolder", algorithm: str, seed: int) -> bool:
+    """Train the run to its budget, resuming from its last checkpoint after an attempt that stalled."""
+    name = f"{algorithm}/seed{seed}"
+    for retry in range(STALL_RETRIES + 1):
+        try:
+            return _train_from_last_checkpoint(study, folder, algorithm, seed)
+        except RunStalled as stalled:
+            again = "resuming from its last checkpoint" if retry < STALL_RETRIES else "rerun the command to resume"
+            print(f"compare: {name}: {stalled}; stopped it (see its console log), {again}", flush=True)
+    return False
+
+
+def _train_from_last_checkpoint(study: Study, folder: "RunFolder", algorithm: str, seed: int) -> bool:
     name = f"{algorithm}/seed{seed}"
     _wait_for_earlier_attempt(folder, name)
     resumed_from = folder.resumable_step()
@@ -385,7 +412,7 @@ def _train_attempt(study: Study, folder: "RunFolder", algorithm: str, seed: int,
     console = folder.path / f"console-attempt{len(folder.attempts)}.log"
     print(f"compare: {name}: {how} (console: {console})", flush=True)
     returncode = _run_logged(command, _launch_env(study, folder, algorithm, seed, metrics), console,
-                             folder.record_process, metrics, name, spent, study.token_budget)
+                             folder.record_process, metrics, name, spent, study.token_budget, study.stall_minutes * 60)
     if returncode != 0:
         print(f"compare: {name}: exit code {returncode}; see {console}; rerun the command to resume", flush=True)
     return returncode == 0
@@ -535,6 +562,10 @@ def parse_args(argv=None) -> Study:
     parser.add_argument("--report-only", action="store_true",
                         help="train nothing: write the report and the final table of the runs that have finished "
                              "(e.g. a study's runs restored from its archive)")
+    parser.add_argument("--stall-minutes", type=float, default=60.0, metavar="M",
+                        help="stop a run that logs no training step for M minutes (a worker Ray killed can leave "
+                             f"verl waiting for ever) and resume it from its last checkpoint, at most {STALL_RETRIES} "
+                             "times (default 60; 0: never)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     args = parser.parse_args(argv)
     base = {**DEFAULTS, **(QUICK if args.quick else {})}
@@ -556,6 +587,8 @@ def parse_args(argv=None) -> Study:
                      f"{','.join(values['algorithms'])})")
     if any(not rate > 0 for rate in rates.values()):
         parser.error(f"--lr must be positive, got {args.lr}")
+    if not args.stall_minutes >= 0:
+        parser.error(f"--stall-minutes must be 0 (never) or a number of minutes, got {args.stall_minutes}")
     if args.sampled_validation < 0:
         parser.error(f"--sampled-validation must be 0 (none) or a number of samples, got {args.sampled_validation}")
     if args.validate_on != "test" and values["setting"] != "cpu-smollm2":
@@ -581,7 +614,8 @@ def parse_args(argv=None) -> Study:
     output_dir = (args.output_dir or REPO / "outputs" / f"study-{values['setting']}").resolve()
     return Study(values["setting"], tuple(values["algorithms"]), tuple(values["seeds"]), values["token_budget"],
                  values["max_steps"], values["val_every"], output_dir, lr, prompts, tuple(args.overrides), args.task,
-                 tuple(sorted(rates.items())), args.validate_on, args.sampled_validation, args.report_only)
+                 tuple(sorted(rates.items())), args.validate_on, args.sampled_validation, args.report_only,
+                 args.stall_minutes)
 
 
 def _stop_on_sigterm(signum, frame):
