@@ -10,7 +10,7 @@ from verl.workers.config import ActorConfig, PolicyLossConfig
 from verl.workers.utils.losses import ppo_loss
 
 import spo_verl.register  # noqa: F401
-from spo_verl.core.algorithms import probability_mask, whiten_over_mask
+from spo_verl.core.algorithms import probability_mask, reference_policy_loss, whiten_over_mask
 from spo_verl.core.config import SPOConfigError
 from spo_verl.adapters.policy_loss import SPOPolicyLossConfig, spo_ppo_loss
 from spo_verl.tools.testing.verl_harness import loss_batch
@@ -46,6 +46,29 @@ def test_whitened_advantages_worked_example():
     whitened = whiten_over_mask(ADVANTAGES, mask)
     expected = [[-0.866025] * 3, [0.866025, 0.866025, -1.73205]]
     assert whitened.tolist() == [pytest.approx(row, abs=1e-5) for row in expected]
+
+
+def test_whitening_with_fewer_than_two_masked_tokens():
+    one = torch.tensor([[False, True, False], [False, False, False]])
+    assert whiten_over_mask(ADVANTAGES, one)[one].tolist() == [0.0]  # its own mean, variance 0
+    assert torch.isfinite(whiten_over_mask(ADVANTAGES, one)).all()
+    assert whiten_over_mask(ADVANTAGES, torch.zeros_like(one)).tolist() == [[0.0] * 3] * 2
+
+
+def test_the_reference_loss_reads_nothing_back_from_the_device():
+    """The core's loss runs on the meta device, where reading any value back (``bool()``, ``.item()``, a
+    branch on a count) raises: so on a GPU it never waits for the device, and the adapter reads its
+    metrics back in one copy."""
+    meta = torch.device("meta")
+    log_prob = torch.empty(4, 8, device=meta, requires_grad=True)
+    old_log_prob, advantages = torch.empty(4, 8, device=meta), torch.empty(4, 8, device=meta)
+    mask = probability_mask(old_log_prob, torch.ones(4, 8, dtype=torch.bool, device=meta))
+    terms = reference_policy_loss(log_prob, old_log_prob, advantages, mask, token_weights=torch.empty(4, 8, device=meta))
+    terms.loss.backward()
+    assert log_prob.grad.shape == (4, 8)
+    assert {t.shape for t in terms} == {torch.Size([])}
+    with pytest.raises(RuntimeError, match="meta"):
+        bool(terms.skipped)  # the check above could not pass if the loss had read a value
 
 
 def test_direct_call_matches_worked_example():

@@ -19,12 +19,12 @@ from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import no_padding_2_padding
 
 from spo_verl.core.algorithms.masked_loss import (
-    clipped_surrogate,
     masked_mean,
     probability_mask,
     ratio_too_high,
     reference_kl_term,
-    whiten_over_mask,
+    reference_policy_loss,
+    unless_ratio_too_high,
 )
 from spo_verl.core.config import ProbMaskSettings, parse_spo_settings
 
@@ -80,37 +80,32 @@ def compute_policy_loss_spo_prob_mask(
     """
     settings = prob_mask_settings(config)
     mask = probability_mask(old_log_prob, response_mask, settings.threshold)
-    metrics = {"spo/prob_mask/masked_fraction": masked_mean(mask.float(), response_mask).item()}
+    masked_fraction = masked_mean(mask.float(), response_mask)
     if config.global_batch_info.get("batch_num_tokens") == 0:
         # Nothing to train in the whole mini-batch (e.g. every segment advantage 0): verl's token-mean
         # would divide 0 by 0. A zero loss still connected to the graph keeps backward() valid.
-        return (log_prob * 0.0).sum(), metrics
+        return (log_prob * 0.0).sum(), {"spo/prob_mask/masked_fraction": masked_fraction.item()}
     if settings.normalization == "verl":
         # Zero advantage outside the mask, keep verl's loss mask: the masked-out tokens add nothing to
         # the sum and verl's aggregation keeps its own denominator (the global response-token count).
         loss, vanilla_metrics = compute_policy_loss_vanilla(
             old_log_prob, log_prob, advantages * mask, response_mask, loss_agg_mode, config, rollout_is_weights
         )
-        return loss, {**vanilla_metrics, **metrics}
+        return loss, {**vanilla_metrics, "spo/prob_mask/masked_fraction": masked_fraction.item()}
 
-    whitened = whiten_over_mask(advantages, mask if mask.any() else response_mask)
     clip_low = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
     clip_high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
-    loss_matrix, clipped = clipped_surrogate(log_prob, old_log_prob, whitened, mask.float(), clip_low, clip_high)
-    if rollout_is_weights is not None:
-        loss_matrix = loss_matrix * rollout_is_weights
-    loss = masked_mean(loss_matrix, mask) * _micro_batch_share(response_mask, config.global_batch_info)
-    skipped = ratio_too_high(log_prob, old_log_prob, mask)
-    if skipped:
-        loss = loss * 0.0
-    metrics.update(
-        {
-            "actor/pg_clipfrac": masked_mean(clipped.float(), mask).item(),
-            "actor/ppo_kl": masked_mean(old_log_prob - log_prob, mask).item(),
-            "spo/prob_mask/high_ratio_skipped": float(skipped),
-        }
-    )
-    return loss, metrics
+    terms = reference_policy_loss(log_prob, old_log_prob, advantages, mask, clip_low, clip_high, rollout_is_weights)
+    loss = terms.loss * _micro_batch_share(response_mask, config.global_batch_info)
+    # One device-to-host copy for every metric: each .item() would wait for the GPU on its own.
+    values = torch.stack([masked_fraction, terms.clipped_fraction, terms.approx_kl.float(), terms.skipped.float()])
+    masked_fraction, clipped_fraction, approx_kl, skipped = values.tolist()
+    return loss, {
+        "spo/prob_mask/masked_fraction": masked_fraction,
+        "actor/pg_clipfrac": clipped_fraction,
+        "actor/ppo_kl": approx_kl,
+        "spo/prob_mask/high_ratio_skipped": skipped,
+    }
 
 
 def _without_kl_loss(config: Any) -> Any:
@@ -139,8 +134,8 @@ def spo_ppo_loss(config: Any, model_output: dict, data: Any, dp_group=None):
     mask = probability_mask(padded["old_log_probs"], response_mask, settings.threshold)
     kl = reference_kl_term(log_prob, padded["ref_log_prob"], mask)
     loss = loss + config.kl_loss_coef * kl * _micro_batch_share(response_mask, config.global_batch_info)
-    if ratio_too_high(log_prob, padded["old_log_probs"], mask):
-        loss = loss * 0.0  # the reference drops the KL term with the policy term
+    # The reference drops the KL term with the policy term.
+    loss = unless_ratio_too_high(loss, ratio_too_high(log_prob, padded["old_log_probs"], mask))
     metrics["kl_loss"] = kl.detach().item()
     metrics["kl_coef"] = config.kl_loss_coef
     return loss, metrics

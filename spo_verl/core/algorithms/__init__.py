@@ -17,6 +17,7 @@ from spo_verl.core.algorithms.masked_loss import (
     k3_kl,
     probability_mask,
     reference_kl_term,
+    reference_policy_loss,
     whiten_over_mask,
 )
 from spo_verl.core.algorithms.segments import (
@@ -38,6 +39,7 @@ __all__ = [
     "low_probability_positions",
     "probability_mask",
     "reference_kl_term",
+    "reference_policy_loss",
     "tree_advantages",
     "tree_advantages_batched",
     "tree_values",

@@ -15,8 +15,7 @@ from spo_verl.core.algorithms.masked_loss import (
     clipped_surrogate,
     masked_mean,
     probability_mask,
-    ratio_too_high,
-    whiten_over_mask,
+    reference_policy_loss,
 )
 from spo_verl.core.algorithms.tree_rows import tree_token_advantages
 from spo_verl.tools.benchmarks import maths, tokens
@@ -62,18 +61,16 @@ def tree_call(data: maths.EstimatorBatch, device: torch.device):
 
 
 def masked_loss_call(batch: maths.LossBatch):
-    """Forward + backward of the ``spo_prob_mask`` loss in its reference normalisation, from the core's
-    pieces as :func:`spo_verl.adapters.policy_loss.compute_policy_loss_spo_prob_mask` puts them together."""
+    """Forward + backward of the ``spo_prob_mask`` loss in its reference normalisation: the core's
+    :func:`reference_policy_loss`, as :func:`spo_verl.adapters.policy_loss.compute_policy_loss_spo_prob_mask`
+    calls it, with its metrics read back in one copy as that loss reads them."""
 
     def call():
         batch.log_prob.grad = None
         mask = probability_mask(batch.old_log_prob, batch.response_mask, MASK_THRESHOLD)
-        whitened = whiten_over_mask(batch.advantages, mask)
-        losses, _ = clipped_surrogate(batch.log_prob, batch.old_log_prob, whitened, mask.float(), CLIP, CLIP)
-        loss = masked_mean(losses, mask)
-        if ratio_too_high(batch.log_prob, batch.old_log_prob, mask):  # a host sync, as in the loss
-            loss = loss * 0.0
-        loss.backward()
+        terms = reference_policy_loss(batch.log_prob, batch.old_log_prob, batch.advantages, mask, CLIP, CLIP)
+        terms.loss.backward()
+        torch.stack([terms.clipped_fraction, terms.approx_kl, terms.skipped.float()]).tolist()
 
     return call
 
