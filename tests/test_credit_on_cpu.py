@@ -264,7 +264,8 @@ async def test_chain_and_grpo_advantages_of_the_same_chains_and_their_values_che
         # The continuations behind the values are scored by verl's GSM8K reward, the response itself
         # (the reward after the last segment) by the toy score; a truncated response scores 0.
         ends = [*starts[1:], len(leaf.output.response_ids)]
-        expected = [0.0] * starts[0] if starts else []
+        # Before the first segment, or everywhere when no token fell below the threshold: no credit.
+        expected = [0.0] * (starts[0] if starts else len(leaf.output.response_ids))
         after = [*values[1:], 0.0 if row["truncated"] else leaf.score]
         for start, end, before, later in zip(starts, ends, values, after):
             expected += [later - before] * (end - start)
