@@ -80,7 +80,7 @@ def compute_policy_loss_spo_prob_mask(
     """
     settings = prob_mask_settings(config)
     mask = probability_mask(old_log_prob, response_mask, settings.threshold)
-    masked_fraction = masked_mean(mask.float(), response_mask)
+    masked_fraction = mask.sum() / response_mask.sum().clamp(min=1)  # the mask lies inside response_mask
     if config.global_batch_info.get("batch_num_tokens") == 0:
         # Nothing to train in the whole mini-batch (e.g. every segment advantage 0): verl's token-mean
         # would divide 0 by 0. A zero loss still connected to the graph keeps backward() valid.
@@ -89,7 +89,8 @@ def compute_policy_loss_spo_prob_mask(
         # Zero advantage outside the mask, keep verl's loss mask: the masked-out tokens add nothing to
         # the sum and verl's aggregation keeps its own denominator (the global response-token count).
         loss, vanilla_metrics = compute_policy_loss_vanilla(
-            old_log_prob, log_prob, advantages * mask, response_mask, loss_agg_mode, config, rollout_is_weights
+            old_log_prob, log_prob, advantages.masked_fill(~mask, 0.0), response_mask, loss_agg_mode, config,
+            rollout_is_weights
         )
         return loss, {**vanilla_metrics, "spo/prob_mask/masked_fraction": masked_fraction.item()}
 
