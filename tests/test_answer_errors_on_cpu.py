@@ -1,4 +1,5 @@
-"""The error analysis of the arithmetic tasks: each answer gets the first step that breaks."""
+"""The error analysis of the arithmetic tasks: each answer gets the first step that breaks, each
+multi-turn dialogue its first wrong turn."""
 
 import json
 import random
@@ -9,6 +10,7 @@ import pytest
 from spo_verl.tools.cpu_settings import smollm2
 from spo_verl.core.credit.answer_errors import (count_kinds, error_kind, expected_steps, first_error, first_error_token,
                                                 main, question_of)
+from spo_verl.core.credit.dialogue_errors import first_wrong_turn, first_wrong_turn_token
 
 
 def test_the_steps_of_a_problem_left_to_right():
@@ -99,3 +101,43 @@ def test_each_horizon_task_works_its_examples_in_k_right_steps(steps):
         assert first_error(question, answer, 0.0) == ("other", None)  # every step and the answer right
     question, answer = smollm2.problem(random.Random(1), f"steps{steps}")
     assert len(expected_steps(question)) == steps and expected_steps(question)[-1][3] == answer
+
+
+# A multi-turn arithmetic dialogue: the worked dialogue in the prompt, then the one the model plays.
+DIALOGUE_PROMPT = ("user\nStart with 3. Add 4 to that.\nassistant\n3 + 4 = 7\nuser\nSubtract 2 from that.\nassistant\n"
+                   "7 - 2 = 5\nuser\nStart with 16. Subtract 9 from that.\nassistant\n")
+REPLY = "|\nuser\nAdd 4 to that.\nassistant\n"  # the environment's, after the model's end of turn "|"
+
+
+@pytest.mark.parametrize(("turns", "wrong"), [
+    (["16 - 9 = 7", "7 + 4 = 11"], None),
+    (["16 - 9 = 7", "7 + 4 = 12"], 1),
+    (["16 - 9 = 8", "8 + 4 = 12"], 0),  # turn 2 is right from turn 1's number, but the dialogue went wrong at turn 1
+    (["seven", "7 + 4 = 11"], 0),  # no number: the environment reads none
+    (["16 - 9 = 7, then 7"], None),  # its last number is the one read; the episode ended before turn 2
+])
+def test_the_first_wrong_turn_of_a_dialogue(turns, wrong):
+    assert first_wrong_turn(DIALOGUE_PROMPT, turns, [REPLY] * (len(turns) - 1)) == wrong
+
+
+def test_a_dialogue_that_cannot_be_read_is_refused():
+    with pytest.raises(ValueError, match="no arithmetic dialogue"):
+        first_wrong_turn("What is 3 + 4?", ["7"], [])
+    with pytest.raises(ValueError, match="0 operations"):
+        first_wrong_turn(DIALOGUE_PROMPT, ["16 - 9 = 7", "11"], ["|\nuser\nWell done.\n"])
+
+
+def test_the_first_wrong_turn_as_a_token():
+    """A character a token; the environment's reply flagged: turn 2 starts after the reply."""
+    response = "16 - 9 = 7" + REPLY + "7 + 4 = 12|"
+    environment = [False] * 10 + [True] * len(REPLY) + [False] * 11
+    tokens = list(response)
+    assert first_wrong_turn_token(DIALOGUE_PROMPT, tokens, environment, 0.0) == (2, 10 + len(REPLY))
+    assert first_wrong_turn_token(DIALOGUE_PROMPT, tokens, environment, 1.0) is None  # right: nothing to place
+    wrong_first = "16 - 9 = 6" + REPLY + "6 + 4 = 10|"
+    assert first_wrong_turn_token(DIALOGUE_PROMPT, list(wrong_first), environment, 0.0) == (1, 0)
+    # Cut by the length limit inside the reply: turn 1 was right and no turn 2 was played.
+    cut = len("16 - 9 = 7") + 5
+    assert first_wrong_turn_token(DIALOGUE_PROMPT, tokens[:cut], environment[:cut], 0.0) is None
+    with pytest.raises(ValueError, match="environment flags"):
+        first_wrong_turn_token(DIALOGUE_PROMPT, tokens, environment[:-1], 0.0)

@@ -14,6 +14,7 @@ from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 from verl.trainer.ppo.ray_trainer import compute_advantage
 
 from spo_verl.core.batch_context import advantages_at_actor_update, advantages_deferred
+from spo_verl.core.metadata import EPISODE_FIELD
 from spo_verl.adapters.estimators import SPOMetadataMissingError
 from spo_verl.adapters.trainer.legacy import SPORayPPOTrainer, spo_advantage_step
 from spo_verl.adapters.trainer.runners import _SPOLegacyTaskRunner
@@ -318,6 +319,62 @@ def test_credit_metrics_read_the_legacy_batch_after_its_advantage_step():
     assert metrics["spo/credit/right_steps_negative_fraction"] == 1.0
     assert metrics["spo/credit/right_answers_negative_fraction"] == 0.0
     assert metrics["spo/credit/seconds"] >= 0
+
+
+DIALOGUE_PROMPT = "user\nStart with 3. Add 4 to that.\nassistant\n3 + 4 = 7\nuser\nStart with 16. Subtract 9 from that.\n"
+DIALOGUE_REPLY = "\nuser\nAdd 4 to that.\nassistant\n"  # the environment's, after the model's end of turn "|"
+
+
+def dialogue_batch(estimator):
+    """Two episodes of one dialogue on the legacy trainer's batch, a character a token: both answer turn
+    1 right (7), the first turn 2 right (11), the second wrong (12); the environment's reply out of the
+    response mask. Under SPO-chain over turns, V(prompt) = 0.5 and V(after turn 1) = 0.75."""
+    turn1, right, wrong = "16 - 9 = 7|", "7 + 4 = 11|", "7 + 4 = 12|"
+    second = len(turn1) + len(DIALOGUE_REPLY)  # where turn 2 starts
+    width = second + len(right)
+    rows = [{"segment_starts": [0, second], "boundary_values": [0.5, 0.75]}] * 2 if estimator == "spo_chain" else [None] * 2
+    data = legacy_batch(rows, [1.0, 0.0], [width, width], width, ["d", "d"])
+    data.batch["response_mask"][:, len(turn1):second] = 0
+    data.non_tensor_batch[EPISODE_FIELD] = np.array([{"turns": 2, "reply_tokens": len(DIALOGUE_REPLY),
+                                                      "ended_by": "environment"}] * 2, dtype=object)
+    data.batch["prompts"] = torch.tensor([[ord(c) for c in DIALOGUE_PROMPT]] * 2)
+    data.batch["attention_mask"] = torch.ones(2, len(DIALOGUE_PROMPT) + width, dtype=torch.long)
+    data.batch["responses"] = torch.tensor([[ord(c) for c in turn1 + DIALOGUE_REPLY + turn2] for turn2 in (right, wrong)])
+    data.batch["token_level_scores"] = data.batch["token_level_rewards"].clone()
+    data.batch["old_log_probs"] = torch.full((2, width), float(np.log(0.5)))  # every model token in the mask
+    return data
+
+
+@pytest.mark.parametrize("estimator", ["spo_chain", "grpo"])
+def test_credit_metrics_of_dialogues_place_the_first_wrong_turn_and_leave_out_the_environment(estimator):
+    """A multi-turn episode's first wrong step is its first wrong turn, and the credit measures read the
+    model's tokens only: SPO-chain over turns puts all of the wrong episode's negative advantage on turn 2
+    and credits its right turn 1 (+0.25, not diluted by the reply's zeros); GRPO spreads its one
+    advantage over both turns (half of the model's tokens are turn 2's)."""
+    from spo_verl.adapters.trainer.legacy import after_legacy_advantages
+
+    data = dialogue_batch(estimator)
+    trainer = object.__new__(SPORayPPOTrainer)
+    trainer.config = OmegaConf.create({"algorithm": {"adv_estimator": estimator, "spo": {"credit_metrics": True}}})
+    trainer.tokenizer, trainer.global_steps = TextTokenizer(), 1
+    config = algorithm(estimator, credit_metrics=True)
+    if estimator == "grpo":
+        compute_advantage(data, adv_estimator="grpo", num_repeat=2, norm_adv_by_std_in_grpo=True, config=config)
+    metrics = spo_advantage_step(data, config, 2, lambda d, context, mask: after_legacy_advantages(trainer, d, context, mask))
+    assert metrics["spo/credit/right_answers"] == 1 and metrics["spo/credit/wrong_answers_placed"] == 1
+    assert metrics["spo/turns/first_wrong_turn1"] == 0.0 and metrics["spo/turns/first_wrong_turn2"] == 1.0
+    if estimator == "spo_chain":
+        assert data.batch["advantages"][1, :11].tolist() == pytest.approx([0.25] * 11)
+        assert data.batch["advantages"][1, -11:].tolist() == pytest.approx([-0.75] * 11)
+        assert metrics["spo/credit/blame_on_error"] == metrics["spo/credit/blame_on_error_masked"] == 1.0
+        assert metrics["spo/credit/blame_on_error_net"] == 1.0
+        assert metrics["spo/credit/right_steps_advantage_mean"] == pytest.approx(0.25)
+        assert metrics["spo/credit/right_steps_negative_fraction"] == 0.0
+    else:
+        assert metrics["spo/credit/blame_on_error"] == pytest.approx(0.5)
+        assert metrics["spo/credit/blame_on_error_masked"] == pytest.approx(0.5)
+        assert metrics["spo/credit/right_steps_advantage_mean"] == pytest.approx(-(0.5 ** 0.5), abs=1e-5)
+        assert metrics["spo/credit/right_steps_negative_fraction"] == 1.0
 
 
 def test_credit_metrics_leave_out_a_trees_stand_in_rows():

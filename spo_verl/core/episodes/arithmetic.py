@@ -13,12 +13,47 @@ from typing import Any
 
 from spo_verl.core.episodes.environment import CopiedEnvironment, EnvironmentReply, register_environment
 
+START_WORDS = "Start with {}."
 OPERATION_WORDS = {"+": "Add {} to that.", "-": "Subtract {} from that."}
 NUMBER = re.compile(r"-?\d+")
+# Each operation's words with its number as a group, to read the messages back.
+_OPERATION_PATTERNS = {operator: re.compile(r"(\d+)".join(map(re.escape, words.split("{}"))))
+                       for operator, words in OPERATION_WORDS.items()}
+_START = re.compile(r"(-?\d+)".join(map(re.escape, START_WORDS.split("{}"))))
 
 
 def operation_message(operation: str, number: int) -> str:
     return OPERATION_WORDS[operation].format(number)
+
+
+def opening_message(start: int, operation: str, number: int) -> str:
+    """The prompt's turn: the start and the first operation."""
+    return f"{START_WORDS.format(start)} {operation_message(operation, number)}"
+
+
+def operations_in(text: str) -> list[tuple[str, int]]:
+    """Every operation message in ``text``, in order, as ``(operator, number)``."""
+    found = [(match.start(), operator, int(match.group(1)))
+             for operator, pattern in _OPERATION_PATTERNS.items() for match in pattern.finditer(text)]
+    return [(operator, number) for _, operator, number in sorted(found)]
+
+
+def last_opening(prompt: str) -> tuple[int, tuple[str, int]]:
+    """The start and first operation of the dialogue a prompt opens: its last "Start with N. <operation>"
+    (earlier ones belong to the worked dialogues)."""
+    starts = list(_START.finditer(prompt))
+    if not starts:
+        raise ValueError("no arithmetic dialogue in the prompt")
+    operations = operations_in(prompt[starts[-1].end():])
+    if not operations:
+        raise ValueError("the dialogue's opening has no operation")
+    return int(starts[-1].group(1)), operations[0]
+
+
+def last_number(turn: str) -> int | None:
+    """The number a turn answers with, as the environment reads it: its last."""
+    numbers = NUMBER.findall(turn)
+    return int(numbers[-1]) if numbers else None
 
 
 @register_environment("arithmetic_dialogue")
@@ -35,5 +70,4 @@ class ArithmeticDialogue(CopiedEnvironment):
         self.answered += 1
         if self.answered < len(self.operations):
             return EnvironmentReply(operation_message(*self.operations[self.answered]))
-        numbers = NUMBER.findall(turn)
-        return EnvironmentReply(done=True, reward=float(bool(numbers) and int(numbers[-1]) == self.answer))
+        return EnvironmentReply(done=True, reward=float(last_number(turn) == self.answer))

@@ -18,7 +18,7 @@ import random
 from collections.abc import Sequence
 from pathlib import Path
 
-from spo_verl.core.episodes.arithmetic import operation_message
+from spo_verl.core.episodes.arithmetic import opening_message, operation_message
 
 DATA_SOURCE = "arithmetic_dialogue"
 INSTRUCTION = "Answer with the number only."
@@ -44,7 +44,7 @@ def draw(rng: random.Random, operations: int) -> tuple[int, list[str], int]:
 
 def opening(start: int, operation: str, show_work: bool = False) -> str:
     """The prompt's turn; it asks for the number alone unless the worked dialogues show their sums."""
-    words = f"Start with {start}. {operation_message(operation[0], int(operation[1:]))}"
+    words = opening_message(start, operation[0], int(operation[1:]))
     return words if show_work else f"{words} {INSTRUCTION}"
 
 
