@@ -242,6 +242,25 @@ async def test_the_episode_loop_plays_the_same_dialogue_without_values(tiny_mode
         assert out.extra_fields["spo_turns"] == {"turns": 2, "reply_tokens": second - first,
                                                  "ended_by": "length" if cut else "environment", "environment_error": None}
     assert len(calls) == 2 * len(outputs)  # two turns an episode, no continuations
+    # Where the blame goes (spo/credit/*) reads these episodes through the tokenizer: every wrong one that
+    # played both turns is placed at its first wrong turn; only one cut by the length limit may be not.
+    from spo_verl.adapters.trainer.credit_step import step_credit_metrics
+    from spo_verl.adapters.trainer.sample_log import SampledResponse
+
+    sampled = [SampledResponse(batch_index=i, uid="dialogue2", row=None, prompt_ids=out.prompt_ids,
+                               response_ids=out.response_ids, log_probs=torch.tensor(out.response_logprobs),
+                               response_mask=torch.tensor(out.response_mask), advantages=torch.zeros(len(out.response_ids)),
+                               trained=torch.tensor(out.response_mask).bool(), score=out.reward_score,
+                               episode=out.extra_fields["spo_turns"])
+               for i, out in enumerate(outputs)]
+    metrics = step_credit_metrics(sampled, tokenizer, 0.9)
+    wrong = sum(out.reward_score < 1 for out in outputs)
+    cut = sum(out.extra_fields["spo_turns"]["ended_by"] == "length" for out in outputs)
+    assert metrics["spo/credit/right_answers"] == len(outputs) - wrong
+    assert wrong - cut <= metrics["spo/credit/wrong_answers_placed"] <= wrong
+    placed = metrics["spo/credit/wrong_answers_placed"]
+    shares = [metrics.get(f"spo/turns/first_wrong_turn{k}", 0.0) for k in (1, 2)]
+    assert sum(shares) == (pytest.approx(1.0) if placed else 0.0)
 
 
 def test_the_episode_loop_needs_an_environment(tiny_model, reward_file):

@@ -577,6 +577,10 @@ def test_over_turns_each_turn_is_a_segment_and_the_environments_tokens_are_out_o
             assert data["spo/tree/trees"] == TURN_TREES and data["spo/tree/leaves_per_tree"] == 9, step
             assert data["spo/generated_tokens"] == data["spo/tree/generated_tokens"] > 0, step
     assert "val-core/arithmetic_dialogue/acc/mean@1" in steps[2], sorted(steps[2])  # the key the study reads
+    # Where the blame went: the tiny model's wrong episodes are placed at their first wrong turn.
+    assert any(data["spo/credit/wrong_answers_placed"] > 0 for data in steps.values())
+    assert all(sum(v for k, v in data.items() if k.startswith("spo/turns/first_wrong_turn")) == pytest.approx(1.0)
+               for data in steps.values() if data["spo/credit/wrong_answers_placed"] > 0)
     _assert_packed_training(steps, expect.bound, expect.checked)
     cache_model = Path(run.log).parents[1] / "cpu-tiny" / "model"
     assert _actor_weights_changed(result.checkpoints, cache_model) > 0

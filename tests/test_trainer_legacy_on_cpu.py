@@ -282,7 +282,7 @@ class TextTokenizer:
     def decode(self, ids, skip_special_tokens=False):
         return "".join(chr(int(i)) for i in ids)
 
-    def batch_decode(self, sequences):
+    def batch_decode(self, sequences, **_):
         return [self.decode(ids) for ids in sequences]
 
 
@@ -375,6 +375,59 @@ def test_credit_metrics_of_dialogues_place_the_first_wrong_turn_and_leave_out_th
         assert metrics["spo/credit/blame_on_error_masked"] == pytest.approx(0.5)
         assert metrics["spo/credit/right_steps_advantage_mean"] == pytest.approx(-(0.5 ** 0.5), abs=1e-5)
         assert metrics["spo/credit/right_steps_negative_fraction"] == 1.0
+
+
+@pytest.mark.parametrize("estimator", ["spo_chain", "grpo"])
+def test_the_turns_credit_tool_reads_the_dialogues_back_from_the_sample_log(estimator, tmp_path, capsys):
+    """The same two episodes through the legacy trainer's sample log, read back by
+    ``python -m spo_verl.tools.credit.turns``: each turn's credit, the first wrong turn, the table."""
+    from spo_verl.adapters.trainer.legacy import after_legacy_advantages
+    from spo_verl.tools.credit import turns
+
+    data = dialogue_batch(estimator)
+    trainer = object.__new__(SPORayPPOTrainer)
+    trainer.config = OmegaConf.create({"algorithm": {"adv_estimator": estimator, "spo": {
+        "sample_log": {"dir": str(tmp_path), "responses_per_step": 2}}}})
+    trainer.tokenizer, trainer.global_steps = TextTokenizer(), 1
+    config = algorithm(estimator)
+    if estimator == "grpo":
+        compute_advantage(data, adv_estimator="grpo", num_repeat=2, norm_adv_by_std_in_grpo=True, config=config)
+    spo_advantage_step(data, config, 2, lambda d, context, mask: after_legacy_advantages(trainer, d, context, mask))
+    rows = turns.read_run(tmp_path)
+    if estimator == "spo_chain":  # each turn V(after) - V(before)
+        wrong_episode, right_episode = [0.25, -0.75], [0.25, 0.25]
+    else:  # one advantage an episode, +-1/sqrt(2)
+        wrong_episode, right_episode = [-(0.5 ** 0.5)] * 2, [0.5 ** 0.5] * 2
+    got = sorted((r.reward, r.turn, r.tokens, r.first_wrong_turn, r.advantage) for r in rows)
+    assert got == [(0.0, 1, 11, 2, pytest.approx(wrong_episode[0], abs=1e-6)),  # the sample log keeps 6 places
+                   (0.0, 2, 11, 2, pytest.approx(wrong_episode[1], abs=1e-6)),
+                   (1.0, 1, 11, None, pytest.approx(right_episode[0], abs=1e-6)),
+                   (1.0, 2, 11, None, pytest.approx(right_episode[1], abs=1e-6))]
+    blame = turns.episode_blame([r for r in rows if r.reward == 0])
+    assert blame.on_wrong_turn == pytest.approx(1.0 if estimator == "spo_chain" else 0.5)
+    assert blame.right_turns_advantage == pytest.approx(wrong_episode[0], abs=1e-6)
+    assert turns.main([str(tmp_path), "--csv", str(tmp_path / "turns.csv")]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(f"| `{estimator}`"))
+    assert line.split(" | ")[1:7] == ["1", "2", "1", "0", "1", "0"]  # runs, episodes, right, turn 1, later, not placed
+    assert len((tmp_path / "turns.csv").read_text().splitlines()) == 1 + 4
+
+
+def test_the_turns_credit_tool_shows_a_shared_turns_advantage_on_every_leaf_through_it():
+    """A tree trains a first turn its leaves share on one leaf's row (0 in the others' advantages); what
+    the estimator said of this leaf's turn 1 is still its node's advantage."""
+    from spo_verl.tools.credit.turns import turn_credits
+
+    turn1, turn2 = "16 - 9 = 7|", "7 + 4 = 12|"
+    tokens = list(turn1 + DIALOGUE_REPLY + turn2)
+    second = len(turn1) + len(DIALOGUE_REPLY)
+    leaf = {"prompt": DIALOGUE_PROMPT, "tokens": tokens, "score": 0.0, "in_prob_mask": [1] * len(tokens),
+            "environment": [0] * len(turn1) + [1] * len(DIALOGUE_REPLY) + [0] * len(turn2),
+            "advantages": [0.0] * second + [-0.5] * len(turn2),  # as the loss gets them: turn 1 trained elsewhere
+            "segments": [{"start": 0, "end": second, "advantage": 0.25, "trained": False},
+                         {"start": second, "end": len(tokens), "advantage": -0.5, "trained": True}]}
+    rows = turn_credits(leaf, "run", "spo_tree", 0, 1, 0)
+    assert [(r.turn, r.tokens, r.advantage, r.negative_mass, r.first_wrong_turn) for r in rows] == [
+        (1, 11, 0.25, 0.0, 2), (2, 11, -0.5, -5.5, 2)]
 
 
 def test_credit_metrics_leave_out_a_trees_stand_in_rows():
