@@ -379,3 +379,47 @@ def test_an_episode_is_drawn_turn_by_turn_with_the_environments_tokens_set_apart
     assert page.count("class='tok masked'") == 5
     single = _response_block(record, {**response, "environment": None, "episode": None}, 0, 0.5)
     assert "class='turn'" not in single and "tok env" not in single
+
+
+def test_multi_turn_runs_get_the_blame_per_turn_from_their_sample_logs(tmp_path, monkeypatch):
+    """Two seeds of an SPO-chain run over turns, each logging one dialogue that goes wrong at turn 2 after
+    a right turn 1: turns_credit.csv lists every turn with its credit, the page tables it per algorithm,
+    and the runs without a multi-turn episode get neither."""
+    from spo_verl.tools.report.__main__ import build_report
+
+    prompt = "Start with 16. Subtract 9 from that."
+    turn1, reply, turn2 = "16 - 9 = 7|", "Add 4 to that.", "7 + 4 = 12|"
+    tokens = list(turn1 + reply + turn2)
+    second = len(turn1) + len(reply)
+    arguments = []
+    for seed, first_credit in enumerate((0.25, 0.75)):
+        episode = {"uid": "u", "prompt": prompt, "tokens": tokens, "probs": [0.5] * len(tokens),
+                   "in_prob_mask": [int(i < len(turn1) or i >= second) for i in range(len(tokens))],
+                   "advantages": [first_credit] * second + [-0.5] * len(turn2), "trained": [1] * len(tokens),
+                   "score": 0.0, "truncated": False,
+                   "segments": [{"start": 0, "end": second, "advantage": first_credit, "value_before": 0.5,
+                                 "value_after": 0.5 + first_credit, "cutpoint": False, "node": None, "trained": True},
+                                {"start": second, "end": len(tokens), "advantage": -0.5, "value_before": 0.5,
+                                 "value_after": 0.0, "cutpoint": False, "node": None, "trained": True}],
+                   "environment": [int(len(turn1) <= i < second) for i in range(len(tokens))],
+                   "episode": {"turns": 2, "reply_tokens": len(reply), "ended_by": "environment", "environment_error": None}}
+        samples = tmp_path / f"samples{seed}.jsonl"
+        samples.write_text(json.dumps({"step": 1, "algorithm": "spo_chain", "loss_mode": "spo_prob_mask",
+                                       "prob_mask_threshold": 0.9, "prob_mask_applied": True, "responses": [episode]}))
+        metrics = log_metrics(tmp_path / f"metrics{seed}.jsonl", [(0, {ACCURACY: 0.25}), (1, training_step(0.0, 1.0, 10, 5, 5))],
+                              monkeypatch)
+        arguments.append(f"spo_chain/seed{seed}={metrics},{samples}")
+    written = build_report(arguments, tmp_path / "report")
+    with written["turns_credit.csv"].open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert [(r["algorithm"], r["seed"], r["turn"], r["tokens"], r["first_wrong_turn"], float(r["advantage"])) for r in rows] == [
+        ("spo_chain", "0", "1", "11", "2", 0.25), ("spo_chain", "0", "2", "11", "2", -0.5),
+        ("spo_chain", "1", "1", "11", "2", 0.75), ("spo_chain", "1", "2", "11", "2", -0.5)]
+    page = written["report.html"].read_text()
+    assert "Where the blame went per turn" in page
+    # 2 runs, 2 episodes, none right, none wrong at turn 1, 2 later, 0 not placed; all the blame on turn 2;
+    # the right turns' credit 0.25 and 0.75: 0.5 +- 0.25 over the runs.
+    cells = ["spo_chain", "2", "2", "0", "0", "2", "0", "1.000 +- 0.000", "1.000 +- 0.000", "0.500 +- 0.250"]
+    assert "".join(f"<td>{cell}</td>" for cell in cells) in page
+    plain = build_report([arguments[0].split(",")[0]], tmp_path / "plain")
+    assert "turns_credit.csv" not in plain and "Where the blame went per turn" not in plain["report.html"].read_text()

@@ -95,19 +95,24 @@ def turn_credits(response: dict, run: str, algorithm: str, seed: int | None, ste
     return rows
 
 
+def turns_of_records(records: Sequence[dict], run: str, algorithm: str, seed: int | None) -> list[TurnCredit]:
+    """The logged turns of one run's sample-log records (each a step's line)."""
+    rows, episode = [], 0
+    for record in records:
+        for response in record["responses"]:
+            rows += turn_credits(response, run, algorithm, seed, int(record["step"]), episode)
+            episode += 1
+    return rows
+
+
 def read_run(run_dir: Path) -> list[TurnCredit]:
     """A run's logged turns, under the study's name of its arm where ``done.json`` has one (``grpo`` and
     ``grpo_prob_mask`` log the same estimator), else the logged estimator's."""
     done = run_dir / "done.json"
     run = json.loads(done.read_text()) if done.is_file() else {}
-    rows, episode = [], 0
-    for line in (run_dir / "samples.jsonl").read_text(encoding="utf-8").splitlines():
-        record = json.loads(line)
-        for response in record["responses"]:
-            rows += turn_credits(response, str(run_dir), run.get("algorithm", record["algorithm"]), run.get("seed"),
-                                 int(record["step"]), episode)
-            episode += 1
-    return rows
+    records = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text(encoding="utf-8").splitlines()]
+    algorithm = run.get("algorithm", records[-1]["algorithm"] if records else "unknown")
+    return turns_of_records(records, str(run_dir), algorithm, run.get("seed"))
 
 
 @dataclass(frozen=True)
@@ -148,14 +153,16 @@ def _mean_se(values: Sequence[float]) -> str:
     return f"{statistics.fmean(values):.3f} +- {statistics.stdev(values) / math.sqrt(len(values)):.3f}"
 
 
-def table(rows: Sequence[TurnCredit]) -> str:
-    """The markdown table of each algorithm (module docstring)."""
+TABLE_HEADER = ("algorithm", "runs", "episodes", "right", "first wrong turn 1", "later", "not placed",
+                "blame on the wrong turn (later)", "same, mask's tokens", "right turns' advantage (later)")
+
+
+def table_rows(rows: Sequence[TurnCredit]) -> list[list[str]]:
+    """One line of ``TABLE_HEADER`` an algorithm (module docstring)."""
     by_algorithm: dict[str, dict[str, list[list[TurnCredit]]]] = defaultdict(lambda: defaultdict(list))
     for turns in _episodes(rows).values():
         by_algorithm[turns[0].algorithm][turns[0].run].append(turns)
-    lines = ["| algorithm | runs | episodes | right | first wrong turn 1 | later | not placed | "
-             "blame on the wrong turn (later) | same, mask's tokens | right turns' advantage (later) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = []
     for algorithm, runs in sorted(by_algorithm.items()):
         episodes = [turns for run in runs.values() for turns in run]
         right = sum(turns[0].reward >= 1 for turns in episodes)
@@ -168,19 +175,26 @@ def table(rows: Sequence[TurnCredit]) -> str:
                 values = [getattr(b, name) for b in blames if getattr(b, name) is not None]
                 if values:
                     per_run[name].append(statistics.fmean(values))
-        lines.append(f"| `{algorithm}` | {len(runs)} | {len(episodes)} | {right} | {first} | {later} | "
-                     f"{len(episodes) - right - first - later} | {_mean_se(per_run['on_wrong_turn'])} | "
-                     f"{_mean_se(per_run['on_wrong_turn_masked'])} | {_mean_se(per_run['right_turns_advantage'])} |")
+        lines.append([algorithm, str(len(runs)), str(len(episodes)), str(right), str(first), str(later),
+                      str(len(episodes) - right - first - later), _mean_se(per_run["on_wrong_turn"]),
+                      _mean_se(per_run["on_wrong_turn_masked"]), _mean_se(per_run["right_turns_advantage"])])
+    return lines
+
+
+def markdown_table(rows: Sequence[TurnCredit]) -> str:
+    lines = [f"| {' | '.join(TABLE_HEADER)} |", "|" + "---|" * len(TABLE_HEADER)]
+    lines += [f"| `{line[0]}` | {' | '.join(line[1:])} |" for line in table_rows(rows)]
     return "\n".join(lines)
 
 
-def write_csv(rows: Sequence[TurnCredit], path: Path) -> None:
+def write_csv(rows: Sequence[TurnCredit], path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(TurnCredit.__dataclass_fields__))
         writer.writeheader()
         for row in rows:
             writer.writerow({k: ("" if v is None else v) for k, v in asdict(row).items()})
+    return path
 
 
 def main(argv=None) -> int:
@@ -196,7 +210,7 @@ def main(argv=None) -> int:
         parser.error("the sample logs hold no multi-turn episode")
     if args.csv:
         write_csv(rows, args.csv)
-    print(table(rows))
+    print(markdown_table(rows))
     return 0
 
 

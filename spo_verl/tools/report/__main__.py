@@ -3,7 +3,8 @@
 Writes DIR/accuracy_vs_step.png, accuracy_vs_generated_tokens.png, accuracy_vs_wall_time.png,
 reward_vs_step.png, reward_vs_generated_tokens.png, reward_vs_wall_time.png, blame_on_error_vs_generated_tokens.png,
 blame_on_error_masked_vs_generated_tokens.png, results.csv, summary.csv, groups.csv (per group of seeds: means and
-standard errors), turns.csv (multi-turn runs' spo/turns/* metrics, when any run logged them) and report.html
+standard errors), turns.csv (multi-turn runs' spo/turns/* metrics, when any run logged them), turns_credit.csv
+(every turn of the sample logs' multi-turn episodes with its credit, spo_verl.tools.credit.turns) and report.html
 (self-contained). Label seeds of one algorithm ``NAME/seed<k>``.
 """
 
@@ -13,6 +14,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from spo_verl.tools.credit.turns import turns_of_records
+from spo_verl.tools.credit.turns import write_csv as write_turn_credit_csv
 from spo_verl.tools.report.page import render_page
 from spo_verl.tools.report.plots import write_plots
 from spo_verl.tools.report.runs import load_run, parse_run_argument
@@ -34,8 +37,11 @@ def build_report(run_arguments: list[str], output: str | Path, title: str = "SPO
     written["groups.csv"] = write_group_csv(groups, output / "groups.csv")
     if (turns := write_turns_csv(runs, output / "turns.csv")) is not None:
         written["turns.csv"] = turns
+    turn_credits = [row for run in runs for row in turns_of_records(run.samples, run.label, run.group, run.seed)]
+    if turn_credits:
+        written["turns_credit.csv"] = write_turn_credit_csv(turn_credits, output / "turns_credit.csv")
     page = output / "report.html"
-    page.write_text(render_page(title, runs, summaries, plots, responses, groups), encoding="utf-8")
+    page.write_text(render_page(title, runs, summaries, plots, responses, groups, turn_credits), encoding="utf-8")
     written["report.html"] = page
     return written
 

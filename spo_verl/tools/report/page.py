@@ -1,5 +1,5 @@
 """The report's self-contained HTML page: plots embedded as base64 PNG, inline CSS, no external URL;
-the summary table; per run, a few logged responses with their segments; one SPO tree per SPO-tree run
+the summary table; for multi-turn runs, where the blame went per turn; per run, a few logged responses with their segments; one SPO tree per SPO-tree run
 drawn as an inline SVG tree with each node's segment text, value V and advantage A."""
 
 from __future__ import annotations
@@ -9,6 +9,9 @@ import html
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from spo_verl.tools.credit.turns import TABLE_HEADER as TURN_TABLE_HEADER
+from spo_verl.tools.credit.turns import TurnCredit
+from spo_verl.tools.credit.turns import table_rows as turn_table_rows
 from spo_verl.tools.report.runs import Run
 from spo_verl.tools.report.tables import GroupSummary, Summary
 from spo_verl.tools.report.response_view import LOGGED_STYLE, STYLE, advantage_colour, colour_scale, render_logged_response
@@ -92,6 +95,24 @@ def group_table(groups: Sequence[GroupSummary]) -> str:
                  "summed over the run's steps, split by its timers (timing_s/gen, old_log_prob, update_actor; the "
                  "rest as other); validation (timing_s/testing, outside the step timer) beside it; means over "
                  "seeds.</p>")
+    return "".join(rows)
+
+
+def turn_credit_table(turns: Sequence[TurnCredit]) -> str:
+    """Where the blame went per turn in the runs' logged episodes (``spo_verl.tools.credit.turns``);
+    nothing without a multi-turn episode."""
+    if not turns:
+        return ""
+    rows = ["<h2>Where the blame went per turn (the sample logs' episodes)</h2><table class='summary'><tr>"
+            + "".join(f"<th>{html.escape(h)}</th>" for h in TURN_TABLE_HEADER) + "</tr>"]
+    rows += ["<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in line) + "</tr>" for line in turn_table_rows(turns)]
+    rows.append("</table><p class='meta'>Each logged episode's first wrong turn: the first of the model's turns "
+                "whose number is not the running result. Each turn's credit: the advantage its estimator gave the "
+                "segment holding it, on the model's tokens (a tree's turn shared by several leaves shown on each). "
+                "Over the wrong episodes whose first turn was right (later): the share of their negative advantage "
+                "on the wrong turn and after, the same over the probability mask's tokens, and the mean advantage "
+                "of their right turns; per run, then &plusmn; one standard error over runs. Every turn in "
+                "turns_credit.csv.</p>")
     return "".join(rows)
 
 
@@ -287,7 +308,7 @@ def legend() -> str:
 
 
 def render_page(title: str, runs: Sequence[Run], summaries: Sequence[Summary], plots: Mapping[str, Path],
-                responses_to_show: int = 4, groups: Sequence[GroupSummary] = ()) -> str:
+                responses_to_show: int = 4, groups: Sequence[GroupSummary] = (), turns: Sequence[TurnCredit] = ()) -> str:
     # File names only: the page is shared, the reader's machine has other paths.
     sources = "".join(
         f"<li>{html.escape(run.label)}: {html.escape(run.metrics_path.name)}"
@@ -305,6 +326,7 @@ def render_page(title: str, runs: Sequence[Run], summaries: Sequence[Summary], p
         group_table(groups),
         summary_table(summaries),
         "<div class='plots'>" + "".join(_image(path) for path in plots.values()) + "</div>",
+        turn_credit_table(turns),
         legend(),
     ]
     parts += [samples_section(run, responses_to_show) for run in runs]
