@@ -375,6 +375,34 @@ def test_credit_metrics_of_dialogues_place_the_first_wrong_turn_and_leave_out_th
         assert metrics["spo/credit/blame_on_error_masked"] == pytest.approx(0.5)
         assert metrics["spo/credit/right_steps_advantage_mean"] == pytest.approx(-(0.5 ** 0.5), abs=1e-5)
         assert metrics["spo/credit/right_steps_negative_fraction"] == 1.0
+    # The one wrong episode went wrong after a right turn: the per-turn measures are the same numbers.
+    for name, renamed in (("blame_on_error", "blame_on_wrong_turn"), ("blame_on_error_masked", "blame_on_wrong_turn_masked"),
+                          ("blame_on_error_net", "blame_on_wrong_turn_net"), ("right_steps_advantage_mean", "right_turns_advantage_mean")):
+        assert metrics[f"spo/turns/{renamed}"] == metrics[f"spo/credit/{name}"], name
+
+
+def test_the_per_turn_blame_leaves_out_episodes_wrong_from_their_first_turn():
+    """Two wrong episodes under one advantage an episode (-0.5 on every model token): wrong at turn 1, all
+    its blame is on the error; wrong at turn 2, half. spo/credit/* averages both, spo/turns/* the second."""
+    from spo_verl.adapters.trainer.credit_step import step_credit_metrics
+    from spo_verl.adapters.trainer.sample_log import SampledResponse
+
+    def episode(index, first, second):
+        text = first + DIALOGUE_REPLY + second
+        mask = torch.tensor([0.0 if len(first) <= i < len(first) + len(DIALOGUE_REPLY) else 1.0 for i in range(len(text))])
+        return SampledResponse(batch_index=index, uid="d", row=None, prompt_ids=[ord(c) for c in DIALOGUE_PROMPT],
+                               response_ids=[ord(c) for c in text], log_probs=torch.full((len(text),), float(np.log(0.5))),
+                               response_mask=mask, advantages=-0.5 * mask, trained=mask.bool(), score=0.0,
+                               episode={"turns": 2, "reply_tokens": len(DIALOGUE_REPLY), "ended_by": "environment"})
+
+    metrics = step_credit_metrics([episode(0, "16 - 9 = 8|", "8 + 4 = 12|"), episode(1, "16 - 9 = 7|", "7 + 4 = 12|")],
+                                  TextTokenizer(), 0.9)
+    assert metrics["spo/credit/wrong_answers_placed"] == 2 and metrics["spo/credit/blame_on_error"] == pytest.approx(0.75)
+    assert metrics["spo/turns/first_wrong_turn1"] == metrics["spo/turns/first_wrong_turn2"] == 0.5
+    assert metrics["spo/turns/blame_on_wrong_turn"] == pytest.approx(0.5)
+    assert metrics["spo/turns/right_turns_advantage_mean"] == pytest.approx(-0.5)
+    only_first = step_credit_metrics([episode(0, "16 - 9 = 8|", "8 + 4 = 12|")], TextTokenizer(), 0.9)
+    assert only_first["spo/turns/first_wrong_turn1"] == 1.0 and "spo/turns/blame_on_wrong_turn" not in only_first
 
 
 @pytest.mark.parametrize("estimator", ["spo_chain", "grpo"])
