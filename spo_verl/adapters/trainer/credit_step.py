@@ -22,12 +22,13 @@ def _first_error(tokenizer, response: SampledResponse) -> tuple[int | None, int 
     """The first wrong token of a wrong answer, and for a multi-turn episode the turn it starts (from 1)."""
     try:
         prompt = tokenizer.decode(response.prompt_ids, skip_special_tokens=True)
+        question = None if response.episode is not None else question_of(prompt)  # before decoding each token
         texts = tokenizer.batch_decode([[token] for token in response.response_ids])
-        if response.episode is not None:
-            environment = (response.response_mask[: len(texts)] == 0).tolist()
-            placed = first_wrong_turn_token(prompt, texts, environment, response.score)
-            return (None, None) if placed is None else (placed[1], placed[0])
-        return first_error_token(question_of(prompt), texts, response.score)[1], None
+        if question is not None:
+            return first_error_token(question, texts, response.score)[1], None
+        environment = (response.response_mask[: len(texts)] == 0).tolist()
+        placed = first_wrong_turn_token(prompt, texts, environment, response.score)
+        return (None, None) if placed is None else (placed[1], placed[0])
     except ValueError:  # not a worked-sum problem or a dialogue, or steps it cannot read: counted as not placed
         return None, None
 
