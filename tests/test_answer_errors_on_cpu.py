@@ -10,7 +10,7 @@ import pytest
 from spo_verl.tools.cpu_settings import smollm2
 from spo_verl.core.credit.answer_errors import (count_kinds, error_kind, expected_steps, first_error, first_error_token,
                                                 main, question_of)
-from spo_verl.core.credit.dialogue_errors import first_wrong_turn, first_wrong_turn_token
+from spo_verl.core.credit.dialogue_errors import first_wrong_turn, first_wrong_turn_token, turn_spans
 
 
 def test_the_steps_of_a_problem_left_to_right():
@@ -132,6 +132,9 @@ def test_the_first_wrong_turn_as_a_token():
     response = "16 - 9 = 7" + REPLY + "7 + 4 = 12|"
     environment = [False] * 10 + [True] * len(REPLY) + [False] * 11
     tokens = list(response)
+    assert turn_spans(environment) == ([range(0, 10), range(10 + len(REPLY), len(response))],
+                                       [range(10, 10 + len(REPLY))])
+    assert turn_spans([]) == ([], [])
     assert first_wrong_turn_token(DIALOGUE_PROMPT, tokens, environment, 0.0) == (2, 10 + len(REPLY))
     assert first_wrong_turn_token(DIALOGUE_PROMPT, tokens, environment, 1.0) is None  # right: nothing to place
     wrong_first = "16 - 9 = 6" + REPLY + "6 + 4 = 10|"

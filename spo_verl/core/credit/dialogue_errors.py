@@ -35,6 +35,19 @@ def first_wrong_turn(prompt: str, turns: Sequence[str], replies: Sequence[str]) 
     return None
 
 
+def turn_spans(environment: Sequence[bool]) -> tuple[list[range], list[range]]:
+    """The model's turns and the environment's replies in a response, as token index ranges in order,
+    from which of its tokens are the environment's."""
+    turns: list[range] = []
+    replies: list[range] = []
+    start = 0
+    for index in range(1, len(environment) + 1):
+        if index == len(environment) or bool(environment[index]) != bool(environment[start]):
+            (replies if environment[start] else turns).append(range(start, index))
+            start = index
+    return turns, replies
+
+
 def first_wrong_turn_token(prompt: str, tokens: Sequence[str], environment: Sequence[bool],
                            score: float) -> tuple[int, int] | None:
     """:func:`first_wrong_turn` of an episode given as its response's token texts and which of them are
@@ -45,18 +58,13 @@ def first_wrong_turn_token(prompt: str, tokens: Sequence[str], environment: Sequ
         raise ValueError(f"{len(tokens)} tokens but {len(environment)} environment flags")
     if score >= 1:
         return None
-    turns: list[tuple[int, str]] = []  # (first token, text) of each of the model's turns
-    replies: list[str] = []
-    for index, (text, from_environment) in enumerate(zip(tokens, environment)):
-        if from_environment:
-            if index == 0 or not environment[index - 1]:
-                replies.append("")
-            replies[-1] += text
-        else:
-            if index == 0 or environment[index - 1]:
-                turns.append((index, ""))
-            turns[-1] = (turns[-1][0], turns[-1][1] + text)
+    turns, replies = turn_spans(environment)
+
+    def text(span: range) -> str:
+        return "".join(tokens[i] for i in span)
+
     # A reply after the model's last turn (an environment that ends the episode with a message) opens
     # no further turn.
-    wrong = first_wrong_turn(prompt, [text for _, text in turns], replies[: max(len(turns) - 1, 0)])
+    wrong = first_wrong_turn(prompt, [text(turn) for turn in turns],
+                             [text(reply) for reply in replies[: max(len(turns) - 1, 0)]])
     return None if wrong is None else (wrong + 1, turns[wrong][0])

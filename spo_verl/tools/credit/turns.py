@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from spo_verl.core.credit.dialogue_errors import first_wrong_turn_token
+from spo_verl.core.credit.dialogue_errors import first_wrong_turn_token, turn_spans
 
 
 @dataclass(frozen=True)
@@ -49,19 +49,6 @@ class TurnCredit:
     advantage: float  # mean over the turn's tokens of its segment's advantage
     negative_mass: float  # sum of the negative advantages over its tokens
     masked_negative_mass: float  # the same over its masked tokens
-
-
-def episode_turns(response: dict) -> list[list[int]]:
-    """The token indices of each of the model's turns in a logged episode."""
-    turns: list[list[int]] = []
-    previous_environment = True
-    for index, from_environment in enumerate(response["environment"]):
-        if not from_environment:
-            if previous_environment:
-                turns.append([])
-            turns[-1].append(index)
-        previous_environment = bool(from_environment)
-    return turns
 
 
 def credit_given(response: dict) -> list[float]:
@@ -84,7 +71,7 @@ def turn_credits(response: dict, run: str, algorithm: str, seed: int | None, ste
         placed = None
     advantages = credit_given(response)
     rows = []
-    for number, indices in enumerate(episode_turns(response), start=1):
+    for number, indices in enumerate(turn_spans(environment)[0], start=1):
         masked = [i for i in indices if response["in_prob_mask"][i]]
         rows.append(TurnCredit(
             run=run, algorithm=algorithm, seed=seed, step=step, episode=episode, reward=float(response["score"]),
