@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import math
 import statistics
 from collections import defaultdict
 from collections.abc import Sequence
@@ -32,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from spo_verl.core.credit.dialogue_errors import first_wrong_turn_token, turn_spans
+from spo_verl.tools.standard_error import mean_and_se
 
 
 @dataclass(frozen=True)
@@ -133,11 +133,10 @@ def _episodes(rows: Sequence[TurnCredit]) -> dict[tuple[str, int], list[TurnCred
 
 
 def _mean_se(values: Sequence[float]) -> str:
-    if not values:
+    mean, error = mean_and_se(values)
+    if mean is None:
         return "-"
-    if len(values) == 1:
-        return f"{values[0]:.3f}"
-    return f"{statistics.fmean(values):.3f} +- {statistics.stdev(values) / math.sqrt(len(values)):.3f}"
+    return f"{mean:.3f}" if error is None else f"{mean:.3f} +- {error:.3f}"
 
 
 TABLE_HEADER = ("algorithm", "runs", "episodes", "right", "first wrong turn 1", "later", "not placed",
