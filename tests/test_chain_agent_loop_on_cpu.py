@@ -160,6 +160,10 @@ async def play_dialogue(loop_class, config, client, tokenizer, uid):
     return outputs, client.calls[before:]
 
 
+# The dialogue's row as play_dialogue hands it, as the episode loops name it (sorted JSON of extra_info).
+DIALOGUE_ROW = '{"answer": 6, "operations": ["+3", "-2"], "start": 5}'
+
+
 def dialogue_reward(out, last_turn: int, tokenizer, answer: int) -> float:
     """The arithmetic dialogue's reward of a two-turn episode whose last turn starts at ``last_turn``: the
     last number of that turn against the answer, unless the response length cut the turn (no EOS at the
@@ -192,6 +196,7 @@ async def test_a_multi_turn_episode_against_the_arithmetic_dialogue(tiny_model, 
         assert out.response_logprobs[first:second] == [0.0] * (second - first)
         assert out.num_turns == 4  # the prompt, two turns, one reply
         assert out.reward_score == dialogue_reward(out, second, tokenizer, answer=6)
+        assert out.extra_fields["reward_extra_info"] == {"acc": out.reward_score, "problem": DIALOGUE_ROW}
         assert all(v * MC_SAMPLES == pytest.approx(round(v * MC_SAMPLES)) for v in meta["boundary_values"])
     # Every generate call is one turn of at most 4 tokens, after the prompt and a dialogue so far.
     assert all(call["sampling_params"]["max_tokens"] <= 4 for call in calls)
@@ -235,7 +240,8 @@ async def test_the_episode_loop_plays_the_same_dialogue_without_values(tiny_mode
         second = first + out.response_mask[first:].index(1)
         assert reply == out.response_ids[second - len(reply):second] and out.response_mask[second:] == [1] * (len(out.response_ids) - second)
         assert "spo" not in out.extra_fields and out.num_turns == 4
-        assert out.extra_fields["reward_extra_info"] == {"acc": out.reward_score}  # as verl's reward manager records it
+        # As verl's reward manager records a score; the row names the dialogue in verl's validation dumps.
+        assert out.extra_fields["reward_extra_info"] == {"acc": out.reward_score, "problem": DIALOGUE_ROW}
         assert out.reward_score == dialogue_reward(out, second, tokenizer, answer=6)
         # What the spo/turns/* metrics read, for verl's estimators as for SPO's.
         cut = out.response_ids[-1] != tokenizer.eos_token_id and len(out.response_ids) == RESPONSE_LENGTH

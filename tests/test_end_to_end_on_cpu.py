@@ -211,7 +211,8 @@ def _run_case(case: TrainerCase, cache: Path, work: Path) -> Case:
     if case.dialogues:
         data = cache / "data"
         overrides += [*DIALOGUES, f"data.train_files={data / 'dialogue_train.parquet'}",
-                      f"data.val_files={data / 'dialogue_val.parquet'}", f"algorithm.spo.sample_log.dir={work / 'samples'}"]
+                      f"data.val_files={data / 'dialogue_val.parquet'}", f"algorithm.spo.sample_log.dir={work / 'samples'}",
+                      f"trainer.validation_data_dir={work / 'validation'}"]
     first = _launch(case.script, {**env, "TOTAL_TRAINING_STEPS": "2", "SAVE_FREQ": "2", "TEST_FREQ": "2"},
                     [*overrides, *case.first_only], work / "first.log", work / "first.jsonl")
     resumed = None
@@ -380,6 +381,23 @@ def _assert_actor_updated_or_had_nothing_to_train(step: int, data: dict) -> None
         return
     assert _finite(data.get("actor/pg_loss")), f"step {step}: actor/pg_loss={data.get('actor/pg_loss')}"
     assert _finite(data.get("actor/grad_norm")), f"step {step}: actor/grad_norm={data.get('actor/grad_norm')}"
+
+
+def _assert_dialogues_told_apart_in_validation_dumps(dumps: Path, val_file: Path) -> None:
+    """verl's validation dumps name each dialogue by its row (the episode loops' ``problem``), so the
+    study's table pairs every held-out dialogue with itself, however many open with the same prompt."""
+    import pandas as pd
+
+    from spo_verl.adapters.agent_loops.sessions import row_problem
+    from spo_verl.tools.study.table import read_dump
+
+    rows = {row_problem(row) for row in pd.read_parquet(val_file).to_dict("records")}
+    written = sorted(dumps.glob("*.jsonl"))
+    assert written, dumps
+    for dump in written:
+        lines = [json.loads(line) for line in dump.read_text().splitlines() if line.strip()]
+        assert sorted(line["problem"] for line in lines) == sorted(rows), dump  # every row once, by its row
+        assert len(read_dump(dump)) == len(lines), dump
 
 
 def _assert_packed_training(steps: dict[int, dict], bound: float, checked_first: bool) -> None:
@@ -577,6 +595,8 @@ def test_over_turns_each_turn_is_a_segment_and_the_environments_tokens_are_out_o
             assert data["spo/tree/trees"] == TURN_TREES and data["spo/tree/leaves_per_tree"] == 9, step
             assert data["spo/generated_tokens"] == data["spo/tree/generated_tokens"] > 0, step
     assert "val-core/arithmetic_dialogue/acc/mean@1" in steps[2], sorted(steps[2])  # the key the study reads
+    _assert_dialogues_told_apart_in_validation_dumps(run.log.parent / "validation",
+                                                     Path(run.log).parents[1] / "cpu-tiny" / "data" / "dialogue_val.parquet")
     # Where the blame went: the tiny model's wrong episodes are placed at their first wrong turn.
     assert any(data["spo/credit/wrong_answers_placed"] > 0 for data in steps.values())
     assert all(sum(v for k, v in data.items() if k.startswith("spo/turns/first_wrong_turn")) == pytest.approx(1.0)

@@ -224,9 +224,9 @@ def test_per_turn_metrics_of_a_batch_of_episodes():
     from spo_verl.core.metadata import ChainRow, EpisodeStatistics
 
     played = [EpisodeStatistics(2, 3, "environment"), EpisodeStatistics(1, 0, "error", "ConnectionError: down")]
-    outputs = [session_output([0], [1, 2, 9, 9, 9, 3], None, None, {}, [], dialogue=Dialogue([1, 1, 0, 0, 0, 1], 4, 1.0, played[0])),
-               session_output([0], [1], None, None, {}, [], dialogue=Dialogue([1], 2, 0.0, played[1])),
-               session_output([0], [1], None, None, {}, [], trains=False, dialogue=Dialogue([1], 2, 0.0, played[1])),
+    outputs = [session_output([0], [1, 2, 9, 9, 9, 3], None, None, {}, [], dialogue=Dialogue([1, 1, 0, 0, 0, 1], 4, 1.0, played[0], "")),
+               session_output([0], [1], None, None, {}, [], dialogue=Dialogue([1], 2, 0.0, played[1], "")),
+               session_output([0], [1], None, None, {}, [], trains=False, dialogue=Dialogue([1], 2, 0.0, played[1], "")),
                session_output([0], [1], None, None, {}, [])]  # no episode
     episodes = episodes_from_extra_fields([out.extra_fields for out in outputs])
     assert episodes == [*played, None, None]
@@ -351,3 +351,18 @@ def test_dialogues_that_show_their_work_ask_for_it_and_still_end_on_the_answer()
     env.reset(r)
     assert asyncio.run(env.step("20 + 4 = 24")) == EnvironmentReply("Subtract 6 from that.")
     assert asyncio.run(env.step("24 - 6 = 18")) == EnvironmentReply(done=True, reward=1.0)
+
+
+def test_a_row_names_its_problem_the_same_whether_read_from_parquet_or_written():
+    """The episode loops name a dialogue in verl's validation dumps by its row's extra_info: the same text
+    for the row as written and as verl's dataset hands it back (numpy arrays from parquet), none without."""
+    import numpy as np
+
+    from spo_verl.adapters.agent_loops.sessions import row_problem
+
+    written = {"extra_info": {"start": 5, "operations": ["+3", "-2"], "answer": 6, "split": "test"}}
+    from_parquet = {"extra_info": {"split": "test", "answer": np.int64(6), "operations": np.array(["+3", "-2"]),
+                                   "start": 5}}
+    assert row_problem(written) == row_problem(from_parquet) == \
+        '{"answer": 6, "operations": ["+3", "-2"], "split": "test", "start": 5}'
+    assert row_problem({"extra_info": {}}) == row_problem({}) == ""

@@ -82,6 +82,49 @@ def test_runs_restored_from_the_archive_pair_with_runs_trained_since(tmp_path):
     assert study_table.difference(got, "spo_tree", "grpo") == study_table.difference(expected, "spo_tree", "grpo")
 
 
+OPENING = "Start with 3. Add 4 to that."  # two dialogues open alike; the environment's second turn differs
+DIALOGUES = [json.dumps({"operations": ["+4", "-2"], "start": 3}), json.dumps({"operations": ["+4", "+5"], "start": 3})]
+
+
+def write_dialogue_run(folder, base, final, order):
+    """Validation dumps as verl writes them for multi-turn episodes: one prompt for both dialogues, each
+    line naming its row in ``problem``; ``order``: the dialogues in dump order, which differs run to run."""
+    (folder / "validation").mkdir(parents=True)
+    for step, scores in ((0, base), (10, final)):
+        (folder / "validation" / f"{step}.jsonl").write_text("".join(
+            json.dumps({"input": OPENING, "output": "", "score": scores[k], "problem": DIALOGUES[k]}) + "\n" for k in order))
+
+
+def test_dialogues_that_open_alike_pair_by_their_rows_fresh_or_restored(tmp_path):
+    """Each dialogue's final answer pairs with its own base answer, whatever order the dumps hold them
+    in, and the archive keeps them apart."""
+    study = tmp_path / "study"
+    write_dialogue_run(study / "spo_tree" / "seed0", base=[1, 0], final=[1, 1], order=[0, 1])
+    write_dialogue_run(study / "spo_tree" / "seed1", base=[1, 0], final=[0, 1], order=[1, 0])
+    write_dialogue_run(study / "grpo" / "seed0", base=[1, 0], final=[1, 0], order=[1, 0])
+    read = study_table.read_runs(study_table.study_runs(study))
+    tree = study_table.summarize(read)["spo_tree"]
+    assert (tree.problems, tree.base, tree.final_mean, tree.gain) == (2, 0.5, 0.75, 0.25)
+    # Per-dialogue gains averaged over the seeds: -0.5 (the first), +1 (the second).
+    assert tree.gain_se_problems == pytest.approx(0.75)
+    assert study_table.difference(read, "spo_tree", "grpo")["se_problems"] == pytest.approx(0.75)
+    for run in study.glob("*/seed*"):
+        (run / "done.json").write_text("{}")
+    archive.save(study, tmp_path / "archive")
+    archive.restore(tmp_path / "archive", tmp_path / "restored")
+    assert study_table.summarize(study_table.read_runs(study_table.study_runs(tmp_path / "restored"))) == \
+        study_table.summarize(read)
+
+
+def test_a_greedy_dump_that_cannot_tell_two_problems_apart_is_refused(tmp_path):
+    write_dialogue_run(tmp_path / "grpo" / "seed0", base=[1, 0], final=[1, 1], order=[0, 1])
+    dump = tmp_path / "grpo" / "seed0" / "validation" / "0.jsonl"
+    dump.write_text("".join(json.dumps({k: v for k, v in json.loads(line).items() if k != "problem"}) + "\n"
+                            for line in dump.read_text().splitlines()))
+    with pytest.raises(ValueError, match=r"0\.jsonl: two answers to problem [0-9a-f]{12}"):
+        study_table.read_runs(study_table.study_runs(tmp_path))
+
+
 def test_the_study_writes_its_table_and_answers_beside_the_report(tmp_path):
     write_run(tmp_path / "spo_tree" / "seed0", [1, 0, 0, 0], [1, 1, 0, 0])
     write_run(tmp_path / "grpo" / "seed0", [1, 0, 0, 0], [0, 0, 0, 0])

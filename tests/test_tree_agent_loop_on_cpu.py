@@ -323,6 +323,8 @@ async def test_a_tree_over_turns_on_verls_server_and_through_verls_advantage_ste
         numbers = re.findall(r"-?\d+", tokenizer.decode(out.response_ids[first_end:], skip_special_tokens=True))
         assert out.reward_score == (0.0 if cut else float(bool(numbers) and int(numbers[-1]) == 6))
         assert row["truncated"] == cut and out.num_turns == 4
+        assert out.extra_fields["reward_extra_info"] == {
+            "acc": out.reward_score, "problem": '{"answer": 6, "operations": ["+3", "-2"], "start": 5}'}
         assert out.extra_fields["spo_turns"] == {"turns": 2, "reply_tokens": first_end - turn, "ended_by": "length" if cut else "environment",
                                   "environment_error": None}
     assert len(first_turns) == 2

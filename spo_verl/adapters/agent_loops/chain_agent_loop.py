@@ -103,7 +103,7 @@ class SPOChainAgentLoop(AgentLoopBase):
             ),
         )
         return session_output(prompt_ids, episode.response_ids, episode.response_log_probs, spo, metrics,
-                              [turn.server_fields for turn in episode.turns], dialogue=Dialogue.of(episode))
+                              [turn.server_fields for turn in episode.turns], dialogue=Dialogue.of(episode, kwargs))
 
     async def _run(self, shared_values: BoundaryValueCache, sampling_params: dict[str, Any],
                    kwargs: dict[str, Any]) -> AgentLoopOutput:

@@ -108,4 +108,4 @@ class SPOEpisodeAgentLoop(AgentLoopBase):
         with simple_timer("generate_sequences", metrics):
             episode = await self.player.play((self.server_manager.generate, uuid4().hex, prompt_ids, sampling_params), kwargs)
         return session_output(prompt_ids, episode.response_ids, episode.response_log_probs, None, metrics,
-                              [turn.server_fields for turn in episode.turns], dialogue=Dialogue.of(episode))
+                              [turn.server_fields for turn in episode.turns], dialogue=Dialogue.of(episode, kwargs))

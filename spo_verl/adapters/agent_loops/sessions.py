@@ -8,7 +8,8 @@ of its sessions has finished."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import json
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -46,21 +47,37 @@ class PromptJobs(Generic[Job]):
                 self._jobs.pop(uid, None)
 
 
+def row_problem(row: Mapping[str, Any]) -> str:
+    """What tells a multi-turn episode's problem apart in verl's validation dumps, beside its prompt: the
+    row's ``extra_info`` (what the environment is reset with) as sorted JSON, "" when the row has none.
+    Episodes whose prompts open alike and go on differently (the environment says the rest) share a
+    prompt, so the prompt alone would pair one problem's answers with another's."""
+    extra_info = row.get("extra_info") or {}
+    return json.dumps(extra_info, sort_keys=True, default=_plain) if extra_info else ""
+
+
+def _plain(value: Any) -> Any:
+    """A value that JSON has no form for, as one it has: numpy's arrays and scalars (parquet rows hold
+    them) as lists and numbers, anything else as its text."""
+    return value.tolist() if hasattr(value, "tolist") else str(value)
+
+
 @dataclass(frozen=True)
 class Dialogue:
     """What verl needs of a multi-turn response beyond its tokens: which tokens are the model's (the
     environment's replies are 0), how many messages verl's tool agent loop would count (the prompt, each
-    turn, each reply) and the episode's reward, so that verl's reward step does not score it again; and
-    the episode's statistics for the ``spo/turns/*`` metrics."""
+    turn, each reply) and the episode's reward, so that verl's reward step does not score it again; the
+    episode's statistics for the ``spo/turns/*`` metrics; and its ``problem`` (:func:`row_problem`)."""
 
     response_mask: list[int]
     messages: int
     reward: float
     statistics: EpisodeStatistics
+    problem: str
 
     @classmethod
-    def of(cls, episode: Episode) -> "Dialogue":
-        return cls(episode.response_mask, episode.messages, episode.reward, episode.statistics)
+    def of(cls, episode: Episode, row: Mapping[str, Any]) -> "Dialogue":
+        return cls(episode.response_mask, episode.messages, episode.reward, episode.statistics, row_problem(row))
 
 
 def session_output(prompt_ids: list[int], response_ids: list[int], response_logprobs: list[float] | None,
@@ -70,8 +87,9 @@ def session_output(prompt_ids: list[int], response_ids: list[int], response_logp
     episode played for verl's own estimators has none) in ``extra_fields["spo"]``; a response that
     ``trains`` nothing has an all-zero response mask; a ``dialogue``'s keeps the environment's replies
     out of the mask and carries the episode's reward, also as ``acc`` in ``reward_extra_info``, where
-    verl's reward manager puts a score (its validation metrics read ``acc`` from there), and its
-    statistics in ``extra_fields[EPISODE_FIELD]`` (none for a copy that trains nothing)."""
+    verl's reward manager puts a score (its validation metrics read ``acc`` from there; they pass over
+    text such as the ``problem`` beside it, which verl's validation dumps keep), and its statistics in
+    ``extra_fields[EPISODE_FIELD]`` (none for a copy that trains nothing)."""
     mask = dialogue.response_mask if dialogue is not None else [1] * len(response_ids)
     return AgentLoopOutput(
         prompt_ids=prompt_ids,
@@ -82,7 +100,8 @@ def session_output(prompt_ids: list[int], response_ids: list[int], response_logp
         reward_score=None if dialogue is None else dialogue.reward,
         metrics=AgentLoopMetrics(**metrics),
         extra_fields={**merged_weight_versions(server_fields), **({} if spo is None else {SPO_FIELD: to_extra_field(spo)}),
-                      **({} if dialogue is None else {"reward_extra_info": {"acc": dialogue.reward},
+                      **({} if dialogue is None else {"reward_extra_info": {"acc": dialogue.reward,
+                                                                            "problem": dialogue.problem},
                                                       EPISODE_FIELD: episode_to_extra_field(dialogue.statistics) if trains else None}),
                       "turn_scores": [], "tool_rewards": []},
     )

@@ -30,7 +30,7 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutp
 from verl.utils.profiler import simple_timer
 
 from spo_verl.adapters.agent_loops.episode_agent_loop import EpisodePlayer, log_environment_error
-from spo_verl.adapters.agent_loops.sessions import Dialogue, PromptJobs, session_output
+from spo_verl.adapters.agent_loops.sessions import Dialogue, PromptJobs, row_problem, session_output
 from spo_verl.core.algorithms.segments import cut_by_length_limit
 from spo_verl.core.config import check_cutpoint_tree_fits, check_tree_fits, parse_spo_settings, tree_segment_budgets
 from spo_verl.core.episodes.episode import ENDED_BY_ENVIRONMENT
@@ -105,10 +105,10 @@ class SPOTreeAgentLoop(AgentLoopBase):
             tree, metrics = await job.task
         leaf, first = tree.slot_leaf(slot)
         if first:
-            return self._leaf_output(tree, leaf, metrics, trains=True)
+            return self._leaf_output(tree, leaf, metrics, kwargs, trains=True)
         if not self.legacy_trainer:
             return []
-        return self._leaf_output(tree, leaf, metrics, trains=False)
+        return self._leaf_output(tree, leaf, metrics, kwargs, trains=False)
 
     async def _sample(self, sampling_params: dict[str, Any], kwargs: dict[str, Any]) -> tuple[SampledTree, dict]:
         if self.settings.branch_at == "turn":
@@ -142,14 +142,15 @@ class SPOTreeAgentLoop(AgentLoopBase):
                 )
         return tree, metrics
 
-    def _leaf_output(self, tree: SampledTree, leaf: int, metrics: dict, trains: bool) -> AgentLoopOutput:
+    def _leaf_output(self, tree: SampledTree, leaf: int, metrics: dict, row: dict[str, Any],
+                     trains: bool) -> AgentLoopOutput:
         token_ids, log_probs = tree.prefix(leaf)
         node, dialogue = tree.nodes[leaf], None
         if self.settings.branch_at == "turn":
             mask = tree.response_mask(leaf)
             turns, replies = _runs(mask, 1), _runs(mask, 0)
             dialogue = Dialogue(mask, 1 + turns + replies, node.reward,
-                                EpisodeStatistics(turns, mask.count(0), node.ended_by, node.error))
+                                EpisodeStatistics(turns, mask.count(0), node.ended_by, node.error), row_problem(row))
             truncated = node.ended_by != ENDED_BY_ENVIRONMENT  # scores 0, as its episode does
         else:  # the estimator scores a truncated leaf by algorithm.spo.truncated_response_score
             truncated = cut_by_length_limit(token_ids, self.response_length, {self.tokenizer.eos_token_id})

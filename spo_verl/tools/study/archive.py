@@ -8,8 +8,8 @@ that a study spread over machines that do not keep their disks resumes from what
 run's own records (``done.json``, ``attempts.json``, ``trained.json``, the metrics verl logged) as
 they are, and its validation dumps as one ``answers.csv`` (``kind`` greedy or sampled, ``step``,
 ``problem``, ``sample``, ``score``): the score of every held-out answer, the problem named by a hash of
-its prompt, without the prompt and response texts that make the dumps megabytes a run. ``restore``
-writes those files back, the dumps as ``{"input": problem, "score": score}`` lines, which is all the
+its prompt (and a multi-turn episode's row), without the prompt and response texts that make the dumps
+megabytes a run. ``restore`` writes those files back, the dumps as ``{"input": problem, "score": score}`` lines, which is all the
 study's table, verdict and report read of them; ``compare`` then skips the restored runs as finished.
 Neither overwrites a run already at its destination. Checkpoints are not kept: a finished run has none.
 """
@@ -37,11 +37,15 @@ def problem_key(prompt: str) -> str:
     return hashlib.sha1(prompt.encode("utf-8")).hexdigest()[:12]
 
 
-def problem_of(dump_input: str) -> str:
+def problem_of(record: dict) -> str:
     """The key of the problem a validation dump's line answers. A fresh dump names the problem by its
-    prompt, a restored one by its key already (no chat prompt is twelve hex digits), so runs restored
-    from the archive and runs trained since pair problem by problem."""
-    return dump_input if _KEY.fullmatch(dump_input) else problem_key(dump_input)
+    prompt, and a multi-turn episode's line by its row too (``problem``: dialogues that open alike go on
+    differently); a restored one by its key already (no chat prompt is twelve hex digits), so runs
+    restored from the archive and runs trained since pair problem by problem."""
+    prompt, row = record["input"], record.get("problem") or ""
+    if _KEY.fullmatch(prompt):
+        return prompt
+    return problem_key(f"{prompt}\n{row}" if row else prompt)
 
 
 def finished_runs(output_dir: Path) -> list[Path]:
@@ -58,7 +62,7 @@ def answer_rows(run: Path) -> list[dict]:
                 if not line.strip():
                     continue
                 record = json.loads(line)
-                problem = problem_of(record["input"])
+                problem = problem_of(record)
                 seen[problem] = seen.get(problem, -1) + 1
                 rows.append({"kind": kind, "step": int(dump.stem), "problem": problem,
                              "sample": seen[problem], "score": float(record["score"])})

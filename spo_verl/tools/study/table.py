@@ -31,12 +31,19 @@ from spo_verl.tools.study.archive import problem_of
 
 
 def read_dump(path: Path) -> dict[str, float]:
-    """Score of each held-out problem (keyed as the archive keys it) in one validation dump."""
+    """Score of each held-out problem (keyed as the archive keys it) in one greedy validation dump, which
+    answers each problem once: two answers under one key are two problems it cannot tell apart, and
+    pairing either with its base answer would be wrong, so they are refused."""
     scores = {}
     for line in path.read_text(encoding="utf-8").splitlines():
         if line.strip():
             record = json.loads(line)
-            scores[problem_of(record["input"])] = float(record["score"])
+            problem = problem_of(record)
+            if problem in scores:
+                raise ValueError(f"{path}: two answers to problem {problem}: its held-out problems share a prompt "
+                                 "and the dump does not tell them apart (a multi-turn episode's line names its row "
+                                 "in 'problem')")
+            scores[problem] = float(record["score"])
     return scores
 
 
