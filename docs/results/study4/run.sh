@@ -50,14 +50,20 @@ for seed in 0 1 2 3; do  # seed by seed: every finished seed a complete set of p
 done
 archive_finished
 
-# Every run in (compare stops this script otherwise): the verdict at the budget and the report's tables
-# (per step, per run with seconds by phase, per arm, the final table), kept here and committed.
+# Every run in (compare stops this script otherwise). Its answers named by dialogue first: the declared
+# commit's dumps name a dialogue by its opening prompt, which 256 held-out dialogues share 169 ways
+# (name_dialogues.py). Then the verdict at the budget, and the report's tables (per step, per run with
+# seconds by phase, per arm, the final table) from the archive as restored, kept here and committed.
 cd "$repo"
+"$python" "$here/name_dialogues.py" "$clone/outputs"
 "$python" -m spo_verl.tools.study.verdict --output-dir "$here/runs" --budget 8000 --level 0.975 --training-budget 10000 \
   --compare spo_tree-grpo_prob_mask,spo_chain-grpo_prob_mask --csv "$here/at_budget.csv" \
   --plot "$here/paired_differences.png" > "$here/verdict.txt"
+restored="$(mktemp -d)"
+"$python" -m spo_verl.tools.study.archive restore --archive "$here/runs" --output-dir "$restored"
 "$python" -m spo_verl.tools.study.compare --report-only --task dialogue2 --algorithms "$arms" --seeds 0,1,2,3 \
-  --output-dir "$clone/outputs/study4"
-keep_report "$clone/outputs/study4/report" "$here" "${REPORT_FILES[@]}" turns.csv
-commit_paths "$study: every run in; the verdict at 8,000 tokens and the report's tables" \
-  "$here"/{at_budget.csv,verdict.txt,paired_differences.png} "${kept[@]}"
+  --output-dir "$restored"
+keep_report "$restored/report" "$here" "${REPORT_FILES[@]}" turns.csv turns_credit.csv
+commit_paths "$study: every run in; its answers named by dialogue, the verdict at 8,000 tokens and the report's tables" \
+  "$here"/{at_budget.csv,verdict.txt,paired_differences.png,name_dialogues.py} "${kept[@]}" \
+  "$here"/runs/*/seed*/answers.csv "$here"/tune/lr*/*/seed*/answers.csv
