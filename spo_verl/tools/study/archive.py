@@ -9,8 +9,9 @@ run's own records (``done.json``, ``attempts.json``, ``trained.json``, the metri
 they are, and its validation dumps as one ``answers.csv`` (``kind`` greedy or sampled, ``step``,
 ``problem``, ``sample``, ``score``): the score of every held-out answer, the problem named by a hash of
 its prompt (and a multi-turn episode's row), without the prompt and response texts that make the dumps
-megabytes a run. ``restore`` writes those files back, the dumps as ``{"input": problem, "score": score}`` lines, which is all the
-study's table, verdict and report read of them; ``compare`` then skips the restored runs as finished.
+megabytes a run. ``restore`` writes those files back, the dumps as ``{"input": problem, "score": score}``
+lines, which is all the study's table, verdict and report read of them; ``compare`` then skips the
+restored runs as finished.
 Neither overwrites a run already at its destination. Checkpoints are not kept: a finished run has none.
 """
 
