@@ -107,6 +107,9 @@ def test_rollout_n_follows_the_tree_shape():
         (["algorithm.spo.tree.branch_at=cutpoint", "actor_rollout_ref.rollout.n=8"],
          r"branch_at=cutpoint with responses=4, max_forks=2, width=2, rounds=1 can sample up to 20 leaves a prompt, more "
          r"than actor_rollout_ref\.rollout\.n=8"),
+        (["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=false"],
+         r"^actor_rollout_ref\.rollout\.log_prob_use_dynamic_bsz=False differs from actor_rollout_ref\.actor\.use_dynamic_bsz=True: "
+         r"verl's actor worker computes the old log-probs with the update's micro-batching"),
         (["algorithm.spo.tree.branch_at=forks"], r"algorithm\.spo\.tree\.branch_at must be one of \['fixed', 'cutpoint', 'turn'\]"),
         (["algorithm.spo.tree.align_to_block=0"], r"algorithm\.spo\.tree\.align_to_block must be a positive integer, got 0"),
         # 760 + 760 plus up to 15 tokens of alignment at depth 1 and 8 at depth 2 would reach 1543 of 1536.
@@ -248,8 +251,12 @@ def assert_set_for_a_long_cluster_run(printed: str) -> None:
     update_budget = actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else actor.ppo_micro_batch_size_per_gpu * longest
     for role in ("rollout", "ref"):
         passes = config.actor_rollout_ref[role]
-        assert passes.log_prob_use_dynamic_bsz is True, role
-        assert passes.log_prob_max_token_len_per_gpu > update_budget, role  # no gradients: a larger budget
+        # verl's actor worker asserts that the old-log-prob pass micro-batches as the update does.
+        assert passes.log_prob_use_dynamic_bsz is actor.use_dynamic_bsz, role
+        if actor.use_dynamic_bsz:  # no gradients: a larger budget
+            assert passes.log_prob_max_token_len_per_gpu > update_budget, role
+        else:
+            assert passes.log_prob_micro_batch_size_per_gpu > actor.ppo_micro_batch_size_per_gpu, role
     assert config.trainer.max_actor_ckpt_to_keep == 2 and config.trainer.resume_mode == "auto"
     assert config.trainer.total_training_steps == 1000  # the reference's iterations: the schedule spans them
     paths = [config.trainer.default_local_dir, *config.ray_kwargs.ray_init.runtime_env.env_vars.values()]
@@ -436,6 +443,8 @@ def test_every_setting_composes_with_every_algorithm(setting, tiny_model):
     for algorithm in ALGORITHMS:
         config = compose_setting(setting, algorithm, f"actor_rollout_ref.model.path={tiny_model[0]}")
         validate_spo_run(config)
+        # verl's own checks, as the entry point runs them: a setting verl refuses never reaches Ray.
+        validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
         actor = config.actor_rollout_ref.actor
         if setting == "gsm8k-rhomath-1.1b":  # the reference whitens over 8 sequences; a tree varies in rows
             tree = algorithm.startswith("spo_tree")

@@ -80,12 +80,25 @@ def validate_spo_run(config: Any) -> None:
         warn_if_segments_split_blocks(settings.tree, rollout, config.trainer.get("device", "cuda"))
 
     check_context_fits(rollout)
+    check_log_prob_micro_batches(config.actor_rollout_ref)
     if plays_episodes(config):
         check_episodes(settings.turns, rollout, config.actor_rollout_ref.model.path)
 
     if settings.packed_training:
         check_packed_training(config)
     check_rollout_log_probs_as_old(config)
+
+
+def check_log_prob_micro_batches(actor_rollout_ref: Any) -> None:
+    """verl's engine worker asserts, once Ray has started it, that the old-log-prob pass micro-batches as
+    the actor update does (``verl.workers.engine_workers.ActorRolloutRefWorker.init_model``)."""
+    update, log_probs = actor_rollout_ref.actor.use_dynamic_bsz, actor_rollout_ref.rollout.log_prob_use_dynamic_bsz
+    if bool(update) != bool(log_probs):
+        raise ValueError(
+            f"actor_rollout_ref.rollout.log_prob_use_dynamic_bsz={log_probs} differs from "
+            f"actor_rollout_ref.actor.use_dynamic_bsz={update}: verl's actor worker computes the old log-probs with the "
+            f"update's micro-batching and refuses the difference when it starts; set both alike"
+        )
 
 
 def check_context_fits(rollout: Any) -> None:
