@@ -18,7 +18,8 @@ settings=()
 for file in recipe/spo/config/setting/*.yaml; do settings+=("$(basename "$file" .yaml)"); done
 gpu_visible() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
 if [[ -z "${SETTING:-}" ]]; then
-  if gpu_visible; then
+  # --check is asked of a job before it is queued, often on a node without a GPU: the job's setting.
+  if gpu_visible || [[ " $* " == *" --check "* ]]; then
     SETTING="$CLUSTER_SETTING"
   else
     SETTING=cpu-smollm2
@@ -32,11 +33,17 @@ if [[ " ${settings[*]} " != *" $SETTING "* ]]; then
   exit 2
 fi
 on_gpus=1
-[[ "$SETTING" == cpu-* ]] && on_gpus=0
+# SPO_REHEARSAL=1 (set by scripts/rehearse.sh): a cluster setting on this machine's CPU, its substitutions given.
+[[ "$SETTING" == cpu-* || -n "${SPO_REHEARSAL:-}" ]] && on_gpus=0
 # Hydra's --cfg, --help and --info print and start nothing: no GPU needed to compose a GPU setting.
+# --check runs every check a launch runs before Ray (the entry point's), reports the GPU and starts nothing.
 composes_only=0
+check_only=0
 for argument in "$@"; do
-  case "$argument" in --cfg|--cfg=*|--help|-h|--info|--info=*) composes_only=1 ;; esac
+  case "$argument" in
+    --cfg|--cfg=*|--help|-h|--info|--info=*) composes_only=1 ;;
+    --check) check_only=1 ;;
+  esac
 done
 
 # The Python environment that has verl installed. The set-up script's .venv is the CPU stack: the CPU
@@ -52,7 +59,10 @@ if [[ "$on_gpus" == 1 && "$composes_only" == 0 ]]; then
     echo "spo: SETTING=$SETTING trains on GPUs with PYTHON=$PYTHON, which is not found; set PYTHON to the cluster's Python" >&2
     exit 2
   fi
-  "$PYTHON" "$repo_root/spo_verl/tools/gpu_environment.py" "$SETTING" || exit 2
+  # Before importing verl, so a CPU environment on a GPU node costs a second; --check reports it instead.
+  if [[ "$check_only" == 0 ]]; then
+    "$PYTHON" "$repo_root/spo_verl/tools/gpu_environment.py" "$SETTING" || exit 2
+  fi
 fi
 
 # Variables a user sets to change one thing of the setting without editing its file. DATA_DIR (the
@@ -82,7 +92,7 @@ CHECKPOINT_DIR="$(absolute "${CHECKPOINT_DIR:-checkpoints/${PROJECT_NAME}/${EXPE
 export TENSORBOARD_DIR="$(absolute "${TENSORBOARD_DIR:-tensorboard_log/${PROJECT_NAME}/${EXPERIMENT_NAME}}")"
 # verl's file logger: one JSON line per step, read back for the summary at the end.
 export VERL_FILE_LOGGER_PATH="$(absolute "${VERL_FILE_LOGGER_PATH:-logs/${PROJECT_NAME}/${EXPERIMENT_NAME}/metrics-$(date +%Y%m%d-%H%M%S).jsonl}")"
-mkdir -p "$(dirname "$VERL_FILE_LOGGER_PATH")"
+[[ "$check_only" == 1 ]] || mkdir -p "$(dirname "$VERL_FILE_LOGGER_PATH")"
 # Known-harmless warnings every verl process prints at import (engines this install does not use).
 export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore:torchtitan engine is not available,ignore:veomni engine is not available,ignore:automodel engine is not available,ignore:mindspeed engine is not available,ignore:megatron engine is not available}"
 
@@ -91,29 +101,31 @@ export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore:torchtitan engine is not availab
 # runs verl on the spo_cpu platform and vLLM's CPU backend, offline.
 cpu_outputs=()
 if [[ "$on_gpus" == 0 ]]; then
-  if [[ "$SETTING" == cpu-tiny ]]; then
-    builder=(-m spo_verl.tools.cpu_settings.tiny --output-dir "${SPO_CPU_CACHE:-$HOME/.cache/spo-verl/cpu-tiny}")
-  else
-    builder=(-m spo_verl.tools.cpu_settings.smollm2 --output-dir "${SPO_SMOLLM2_CACHE:-$HOME/.cache/spo-verl/cpu-smollm2}"
-             ${SMOLLM2_TASK:+--task "$SMOLLM2_TASK"})
-  fi
-  eval "$("$PYTHON" "${builder[@]}" | sed 's/^/cpu_/')"
-  cpu_outputs=(actor_rollout_ref.model.path="$cpu_model" data.train_files="$cpu_train_files" data.val_files="$cpu_val_files")
-  [[ -n "${cpu_max_prompt_length:-}" ]] && cpu_outputs+=(data.max_prompt_length="$cpu_max_prompt_length")
-  [[ -n "${cpu_max_response_length:-}" ]] && cpu_outputs+=(data.max_response_length="$cpu_max_response_length")
-  # A multi-turn task (SMOLLM2_TASK=dialogue3): every algorithm plays its episodes against the task's
-  # environment, SPO's over turns and verl's own estimators through the spo_episode agent loop.
-  if [[ -n "${cpu_environment:-}" ]]; then
-    cpu_outputs+=(algorithm.spo.turns.environment="$cpu_environment" algorithm.spo.turns.max_turns="$cpu_max_turns"
-                  algorithm.spo.turns.max_turn_tokens="$cpu_max_turn_tokens")
-    case "$ALGORITHM" in
-      spo_chain) cpu_outputs+=(algorithm.spo.chain.partition=turn) ;;
-      spo_tree) cpu_outputs+=(algorithm.spo.tree.branch_at=turn) ;;
-      grpo|grpo_prob_mask|ppo) cpu_outputs+=(actor_rollout_ref.rollout.agent.default_agent_loop=spo_episode) ;;
-      *) echo "spo_launch: SMOLLM2_TASK=${SMOLLM2_TASK:-} is a multi-turn task; ALGORITHM=$ALGORITHM cannot play its episodes" \
-              "(allowed: spo_chain, spo_tree, grpo, grpo_prob_mask, ppo)" >&2
-         exit 2 ;;
-    esac
+  if [[ "$SETTING" == cpu-* ]]; then
+    if [[ "$SETTING" == cpu-tiny ]]; then
+      builder=(-m spo_verl.tools.cpu_settings.tiny --output-dir "${SPO_CPU_CACHE:-$HOME/.cache/spo-verl/cpu-tiny}")
+    else
+      builder=(-m spo_verl.tools.cpu_settings.smollm2 --output-dir "${SPO_SMOLLM2_CACHE:-$HOME/.cache/spo-verl/cpu-smollm2}"
+               ${SMOLLM2_TASK:+--task "$SMOLLM2_TASK"})
+    fi
+    eval "$("$PYTHON" "${builder[@]}" | sed 's/^/cpu_/')"
+    cpu_outputs=(actor_rollout_ref.model.path="$cpu_model" data.train_files="$cpu_train_files" data.val_files="$cpu_val_files")
+    [[ -n "${cpu_max_prompt_length:-}" ]] && cpu_outputs+=(data.max_prompt_length="$cpu_max_prompt_length")
+    [[ -n "${cpu_max_response_length:-}" ]] && cpu_outputs+=(data.max_response_length="$cpu_max_response_length")
+    # A multi-turn task (SMOLLM2_TASK=dialogue3): every algorithm plays its episodes against the task's
+    # environment, SPO's over turns and verl's own estimators through the spo_episode agent loop.
+    if [[ -n "${cpu_environment:-}" ]]; then
+      cpu_outputs+=(algorithm.spo.turns.environment="$cpu_environment" algorithm.spo.turns.max_turns="$cpu_max_turns"
+                    algorithm.spo.turns.max_turn_tokens="$cpu_max_turn_tokens")
+      case "$ALGORITHM" in
+        spo_chain) cpu_outputs+=(algorithm.spo.chain.partition=turn) ;;
+        spo_tree) cpu_outputs+=(algorithm.spo.tree.branch_at=turn) ;;
+        grpo|grpo_prob_mask|ppo) cpu_outputs+=(actor_rollout_ref.rollout.agent.default_agent_loop=spo_episode) ;;
+        *) echo "spo_launch: SMOLLM2_TASK=${SMOLLM2_TASK:-} is a multi-turn task; ALGORITHM=$ALGORITHM cannot play its episodes" \
+                "(allowed: spo_chain, spo_tree, grpo, grpo_prob_mask, ppo)" >&2
+           exit 2 ;;
+      esac
+    fi
   fi
   export VERL_PLATFORM=spo_cpu VERL_ENGINE_DEVICE=cuda   # verl's FSDP engine, on the device the platform names
   eval "$("$PYTHON" -m spo_verl.adapters.cpu_platform.environment)"   # vLLM's CPU backend, offline
@@ -141,6 +153,7 @@ console_filter() {
 
 model_shown="${MODEL_PATH:-${cpu_model:-as in recipe/spo/config/setting/$SETTING.yaml}}"
 echo "spo: algorithm=$ALGORITHM setting=$SETTING model=$model_shown nodes=${NNODES:-1}"
+[[ "$check_only" == 1 ]] && echo "spo: --check: checking what this launch needs; nothing is started"
 echo "spo: logs -> console, tensorboard at $TENSORBOARD_DIR and $VERL_FILE_LOGGER_PATH; checkpoints -> $CHECKPOINT_DIR"
 
 # The two paths go to every Ray worker through verl's runtime_env: workers that `ray start` began on

@@ -1,9 +1,14 @@
 """Entry point of the SPO recipe: ``python -m recipe.spo.main_spo [hydra overrides]`` from the repo root.
 
 Composes verl 0.9.1's ``ppo_trainer`` configuration with ``config/spo_trainer.yaml``, validates the
-SPO settings, the names verl looks up in its registries and verl's own settings before anything
-starts, then runs verl's ``run_ppo`` with a TaskRunner that trains with SPO (default v1 trainer, or
-the legacy one with ``trainer.use_v1=false``), once more if Ray itself timed out starting.
+SPO settings, the names verl looks up in its registries and verl's own settings, then what the launch
+needs (model, tokenizer, data files, attention kernel: ``launch_checks.py``) and, for a GPU setting, a
+GPU, before anything starts; then runs verl's ``run_ppo`` with a TaskRunner that trains with SPO
+(default v1 trainer, or the legacy one with ``trainer.use_v1=false``), once more if Ray itself timed out
+starting.
+
+``--check`` (anywhere among the arguments) runs every check, reports the GPU instead of requiring one,
+prints what it found and exits 0: a job checked before it is queued.
 
 A configuration refused before Ray starts prints one line, ``spo: <why>``, to stderr and exits with
 status 2; ``SPO_DEBUG=1`` raises the error instead, with its traceback.
@@ -14,17 +19,20 @@ import sys
 
 import hydra
 import verl
+from hydra.core.hydra_config import HydraConfig
 from omegaconf.errors import OmegaConfBaseException
 from verl.trainer.main_ppo import run_ppo
 from verl.trainer.ppo.utils import need_critic, need_reference_policy
 from verl.utils.config import validate_config
 from verl.utils.device import auto_set_device
 
+from recipe.spo.launch_checks import check_launch, gpu_problem
 from spo_verl.adapters.trainer.runners import run_with_one_restart, task_runner_for
 from spo_verl.adapters.trainer.validation import validate_spo_run
 
 REFUSED_EXIT_STATUS = 2  # as the launcher's unknown SETTING: the run was refused, nothing started
 DEBUG_VARIABLE = "SPO_DEBUG"
+CHECK_FLAG = "--check"
 VERL_WRITTEN_FOR = "0.9.1"  # the verl whose internals docs/VERL_SURFACE.md lists (pyproject pins it)
 
 
@@ -39,18 +47,24 @@ def warn_if_another_verl(version: str = verl.__version__) -> bool:
     return True
 
 
-def validate_or_exit(config) -> None:
-    """Validate before Ray starts; a refusal exits with one line (Hydra would print its own "Error
-    executing job" and a traceback for it; a SystemExit passes through Hydra untouched)."""
+def validate_or_exit(config) -> list[str]:
+    """Validate before Ray starts and return what the launch checks found; a refusal exits with one line
+    (Hydra would print its own "Error executing job" and a traceback for it; a SystemExit passes through
+    Hydra untouched)."""
     try:
         auto_set_device(config)
         validate_spo_run(config)
         validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+        return check_launch(config)
     except ValueError as error:
-        if os.environ.get(DEBUG_VARIABLE, "") not in ("", "0"):
-            raise
-        print(refusal_line(error), file=sys.stderr, flush=True)
-        sys.exit(REFUSED_EXIT_STATUS)
+        refuse(error)
+
+
+def refuse(error: ValueError):
+    if os.environ.get(DEBUG_VARIABLE, "") not in ("", "0"):
+        raise error
+    print(refusal_line(error), file=sys.stderr, flush=True)
+    sys.exit(REFUSED_EXIT_STATUS)
 
 
 def refusal_line(error: ValueError) -> str:
@@ -61,12 +75,43 @@ def refusal_line(error: ValueError) -> str:
     return "spo: " + " ".join(line.strip() for line in str(error).splitlines() if line.strip())
 
 
+def chosen_setting() -> str:
+    """The setting's name as the scripts' ``SETTING`` names it (Hydra's choice of the config group)."""
+    setting = HydraConfig.get().runtime.choices.get("setting") if HydraConfig.initialized() else None
+    return setting or "(no setting)"
+
+
+def report_check(found: list[str], gpu: str | None, setting: str) -> None:
+    for line in found:
+        print(f"spo: check: {line}", flush=True)
+    print(f"spo: check: GPU: {gpu or 'this Python can train on the GPUs it sees'}", flush=True)
+    print(f"spo: check passed: setting={setting}: the configuration, verl's own checks, the model, the data and the "
+          "attention kernel are ready; nothing was started", flush=True)
+
+
 @hydra.main(config_path="config", config_name="spo_trainer", version_base=None)
 def main(config):
     warn_if_another_verl()
-    validate_or_exit(config)
+    found = validate_or_exit(config)
+    setting = chosen_setting()
+    gpu = gpu_problem(config, setting)
+    if CHECK_ONLY:
+        report_check(found, gpu, setting)
+        return
+    if gpu is not None:
+        refuse(ValueError(gpu))
     run_with_one_restart(run_ppo, config, task_runner_for(config))
 
 
+def take_check_flag(argv: list[str]) -> bool:
+    """Remove ``--check`` from the arguments (Hydra would refuse it) and say whether it was there."""
+    present = CHECK_FLAG in argv
+    argv[:] = [argument for argument in argv if argument != CHECK_FLAG]
+    return present
+
+
+CHECK_ONLY = False
+
 if __name__ == "__main__":
+    CHECK_ONLY = take_check_flag(sys.argv)
     main()

@@ -1,0 +1,174 @@
+"""What a launch needs that verl would only find once Ray, the tokenizer or the workers are up: the model,
+the data, the attention kernel and a GPU. Checked in the driver, in seconds, by every launch and by
+``--check`` (which reports the GPU instead of requiring it and then stops).
+
+A problem raises ``ValueError`` naming the setting and what to do (the entry point prints it as one
+line); what cannot be checked from here (a hub model not cached, an ``hdfs://`` path) is reported.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+from spo_verl.tools import gpu_environment
+
+# verl's own pin (its ``fsdp`` extra); it builds against the torch already installed.
+FLASH_ATTN_INSTALL = "pip install flash-attn==2.8.3 --no-build-isolation"
+# verl's default attention (``HFModelConfig``): the one kernel that keeps rows apart without padding.
+VERLS_ATTENTION = "flash_attention_2"
+
+
+def check_launch(config: Any, torch_module=None) -> list[str]:
+    """Raise ``ValueError`` for what would stop the run after it started; return what a user should know."""
+    return [*check_models(config), *check_data_files(config), *check_attention(config, torch_module)]
+
+
+def needs_gpu(config: Any) -> bool:
+    return config.trainer.get("device", "cuda") != "cpu"
+
+
+def gpu_problem(config: Any, setting: str, torch_module=None) -> str | None:
+    """Why this Python cannot train the configuration on GPUs, or None (CPU settings need none)."""
+    if not needs_gpu(config):
+        return None
+    return gpu_environment.problem(setting, torch_module)
+
+
+# --- model and tokenizer ------------------------------------------------------------------------------
+
+
+def model_paths(config: Any) -> dict[str, str]:
+    """Each model or tokenizer path a run loads, by the key that sets it (the critic's only when PPO has one)."""
+    from verl.trainer.ppo.utils import need_critic
+
+    model = config.actor_rollout_ref.model
+    paths = {"actor_rollout_ref.model.path": model.path}
+    if model.get("tokenizer_path", None):
+        paths["actor_rollout_ref.model.tokenizer_path"] = model.tokenizer_path
+    if need_critic(config):
+        paths["critic.model.path"] = config.critic.model.path
+        if config.critic.model.get("tokenizer_path", None):
+            paths["critic.model.tokenizer_path"] = config.critic.model.tokenizer_path
+    return paths
+
+
+def check_models(config: Any) -> list[str]:
+    report, loaded = [], {}
+    for key, path in model_paths(config).items():
+        if path in loaded:
+            continue
+        loaded[path] = key
+        report.append(check_model(key, str(path), config.actor_rollout_ref.model.get("custom_chat_template", None)))
+    return report
+
+
+def looks_local(path: str) -> bool:
+    """A folder path rather than a hub id ("org/name"): verl passes a hub id to transformers, which downloads it."""
+    return path.startswith(("/", "./", "../", "~")) or path.count("/") != 1 or Path(path).exists()
+
+
+def check_model(key: str, path: str, chat_template: str | None) -> str:
+    if "://" in path:
+        return f"{key}={path}: a remote path, not checked here (verl copies it to each node)"
+    if not looks_local(path):
+        return check_hub_model(key, path)
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise ValueError(f"{key}={path}: no such model folder (set MODEL_PATH, or the setting's model, to a folder with "
+                         f"config.json and the tokenizer)")
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{key}={path}: the folder has no config.json, so it is not a Hugging Face model")
+    check_tokenizer(key, str(folder), chat_template)
+    return f"{key}={path}: model and tokenizer load"
+
+
+def check_hub_model(key: str, name: str) -> str:
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = isinstance(try_to_load_from_cache(name, "config.json"), str)
+    if cached:
+        return f"{key}={name}: in this machine's Hugging Face cache"
+    if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0"):
+        raise ValueError(f"{key}={name} is a hub model that is not in this machine's Hugging Face cache, and "
+                         f"HF_HUB_OFFLINE is set: download it first, or set MODEL_PATH to a local copy")
+    return f"{key}={name}: a hub model, not cached here: every node downloads it when the run starts"
+
+
+def check_tokenizer(key: str, folder: str, chat_template: str | None) -> None:
+    """The tokenizer loads and renders a prompt with the run's template, as verl's dataset will."""
+    from verl.utils import hf_tokenizer
+
+    try:
+        tokenizer = hf_tokenizer(folder)
+        if chat_template is not None:
+            tokenizer.chat_template = chat_template
+        tokenizer.apply_chat_template([{"role": "user", "content": "1 + 1"}], add_generation_prompt=True, tokenize=False)
+    except Exception as error:  # transformers raises many types for a broken folder or template
+        raise ValueError(f"{key}={folder}: the tokenizer does not load or render a prompt: "
+                         f"{type(error).__name__}: {error}") from error
+
+
+# --- data ---------------------------------------------------------------------------------------------
+
+
+def as_list(files: Any) -> list[str]:
+    if files is None:
+        return []
+    return [str(files)] if isinstance(files, (str, os.PathLike)) else [str(file) for file in files]
+
+
+def check_data_files(config: Any) -> list[str]:
+    """Each parquet file exists and has the column the prompt is read from."""
+    import pyarrow.parquet as pq
+
+    prompt_key = config.data.get("prompt_key", "prompt")
+    report = []
+    for key in ("data.train_files", "data.val_files"):
+        for file in as_list(config.data.get(key.split(".")[1], None)):
+            if "://" in file:
+                report.append(f"{key}: {file}: a remote path, not checked here")
+                continue
+            path = Path(file).expanduser()
+            if not path.is_file():
+                raise ValueError(f"{key}: {file}: no such file (scripts/prepare_data.sh writes the cluster settings' "
+                                 f"data under DATA_DIR, default ~/data/spo; DATA_DIR={os.environ.get('DATA_DIR', 'unset')})")
+            try:
+                schema = pq.read_schema(path)
+                rows = pq.read_metadata(path).num_rows
+            except Exception as error:
+                raise ValueError(f"{key}: {file} is not a readable parquet file: {type(error).__name__}: {error}") from error
+            if prompt_key not in schema.names:
+                raise ValueError(f"{key}: {file} has no column data.prompt_key={prompt_key} (its columns: "
+                                 f"{sorted(schema.names)})")
+            report.append(f"{key}: {file}: {rows} rows")
+    return report
+
+
+# --- attention ----------------------------------------------------------------------------------------
+
+
+def check_attention(config: Any, torch_module=None) -> list[str]:
+    """verl drops padding from its forward passes (``use_remove_padding``) by packing a micro-batch's rows
+    into one sequence; only flash-attn's kernel keeps them apart (transformers' sdpa lets each row attend
+    to the rows before it). flash-attn is a CUDA build: required where this Python's torch is one."""
+    model = config.actor_rollout_ref.model
+    attention = (model.get("override_config", None) or {}).get("attn_implementation", VERLS_ATTENTION)
+    remove_padding = bool(model.get("use_remove_padding", False))
+    if remove_padding and attention != VERLS_ATTENTION and needs_gpu(config):
+        raise ValueError(f"actor_rollout_ref.model.use_remove_padding=true needs attn_implementation={VERLS_ATTENTION} "
+                         f"(actor_rollout_ref.model.override_config.attn_implementation={attention} would let packed rows "
+                         f"attend to each other): set use_remove_padding=false or use {VERLS_ATTENTION}")
+    if attention != VERLS_ATTENTION:
+        return [f"attention: {attention}"]
+    if torch_module is None:
+        import torch as torch_module
+    if torch_module.version.cuda is None:
+        return [f"attention: {VERLS_ATTENTION}; flash-attn not checked: this Python's torch {torch_module.__version__} "
+                f"is a CPU build (the GPU Python needs: {FLASH_ATTN_INSTALL})"]
+    if importlib.util.find_spec("flash_attn") is None:
+        raise ValueError(f"actor_rollout_ref.model.override_config.attn_implementation={VERLS_ATTENTION} needs flash-attn, "
+                         f"which this Python does not have: {FLASH_ATTN_INSTALL}")
+    return [f"attention: {VERLS_ATTENTION} (flash-attn installed)"]

@@ -1,0 +1,165 @@
+"""``--check``: every cluster setting with every algorithm, and every cluster script as docs/CLUSTER.md shows
+it, passes everything a launch checks before Ray, with no override; a missing model, data file, GPU or
+flash-attn is refused in seconds with one line naming it.
+
+What this machine forces, and only that: ``MODEL_PATH`` and ``DATA_DIR`` (the documented variables) point
+at a tiny local model and at problems written by ``scripts/prepare_data.sh``, since no hub is reachable;
+``PYTHON`` names the set-up's .venv, this machine's only Python with verl (a cluster's is its python3).
+"""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from omegaconf import OmegaConf
+
+from recipe.spo.launch_checks import FLASH_ATTN_INSTALL, check_attention
+
+REPO = Path(__file__).resolve().parents[1]
+VENV_PYTHON = str(REPO / ".venv" / "bin" / "python")
+ALGORITHMS = ["spo_tree", "spo_tree_cutpoint", "spo_chain", "grpo", "grpo_prob_mask", "ppo"]
+# Each cluster setting through the script that runs it on a cluster, ALGORITHM choosing the bundle.
+SETTING_SCRIPTS = {"math-r1-1.5b": "run_spo_tree.sh", "gsm8k-rhomath-1.1b": "run_spo_chain.sh"}
+# The scripts as docs/CLUSTER.md shows them, each with its own algorithm and setting.
+CLUSTER_SCRIPTS = {"run_spo_tree.sh": ("math-r1-1.5b", "spo_tree"), "run_spo_chain.sh": ("gsm8k-rhomath-1.1b", "spo_chain"),
+                   "run_grpo.sh": ("math-r1-1.5b", "grpo"), "run_grpo_gsm8k.sh": ("gsm8k-rhomath-1.1b", "grpo"),
+                   "run_spo_tree_math_4k.sh": ("math-r1-1.5b", "spo_tree")}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """Every data set the cluster settings read, from raw records in each source's schema, by the user's
+    own ``scripts/prepare_data.sh``."""
+    from spo_verl.tools.rehearsal.build import FAMILIES, prepare, write_raw
+
+    folder = tmp_path_factory.mktemp("data")
+    for family in FAMILIES.values():
+        write_raw(folder / "raw", family)
+        prepare(folder / "raw", folder / "spo", family)
+    return folder / "spo"
+
+
+def check(script, *args, **env):
+    environment = {key: value for key, value in os.environ.items() if key not in ("SETTING", "ALGORITHM", "PYTHON")}
+    environment.update(PYTHON=VENV_PYTHON, **env)
+    started = time.monotonic()
+    result = subprocess.run(["bash", str(REPO / "scripts" / script), *args], env=environment, capture_output=True,
+                            text=True, timeout=300, cwd="/")
+    return result, time.monotonic() - started
+
+
+def refusal(result) -> str:
+    """The one line a refusal prints (warnings of verl's imports aside)."""
+    lines = [line for line in result.stderr.splitlines() if line.startswith("spo: ")]
+    assert len(lines) == 1, result.stderr[-3000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize("setting", sorted(SETTING_SCRIPTS))
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_every_cluster_setting_passes_the_check_with_every_algorithm(setting, algorithm, tiny_model, data_dir):
+    result, _ = check(SETTING_SCRIPTS[setting], "--check", SETTING=setting, ALGORITHM=algorithm,
+                      MODEL_PATH=tiny_model[0], DATA_DIR=str(data_dir))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    out = result.stdout
+    assert f"spo: check passed: setting={setting}" in out
+    assert f"actor_rollout_ref.model.path={tiny_model[0]}: model and tokenizer load" in out
+    assert f"data.train_files: {data_dir}/{'math' if setting.startswith('math') else 'gsm8k'}/train.parquet: 64 rows" in out
+    # This Python's torch is a CPU build: the GPU and flash-attn are reported, not required.
+    assert "attention: flash_attention_2; flash-attn not checked" in out and FLASH_ATTN_INSTALL in out
+    assert "spo: check: GPU: SETTING=" in out and "CPU-only build" in out
+    assert "Started a local Ray instance" not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("script", sorted(CLUSTER_SCRIPTS))
+def test_every_cluster_script_passes_the_check_as_documented(script, tiny_model, data_dir):
+    """No SETTING: ``--check`` checks the script's own cluster setting, on a machine without a GPU too."""
+    setting, algorithm = CLUSTER_SCRIPTS[script]
+    result, _ = check(script, "--check", MODEL_PATH=tiny_model[0], DATA_DIR=str(data_dir))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert f"spo: algorithm={algorithm} setting={setting}" in result.stdout
+    assert f"spo: check passed: setting={setting}" in result.stdout
+
+
+def test_a_missing_data_file_or_model_folder_is_refused_in_seconds_naming_it(tiny_model, data_dir, tmp_path):
+    empty = tmp_path / "no-data"
+    result, seconds = check("run_spo_chain.sh", "--check", MODEL_PATH=tiny_model[0], DATA_DIR=str(empty))
+    assert result.returncode == 2
+    assert refusal(result) == (f"spo: data.train_files: {empty}/gsm8k/train.parquet: no such file (scripts/prepare_data.sh "
+                               f"writes the cluster settings' data under DATA_DIR, default ~/data/spo; DATA_DIR={empty})")
+    assert seconds < 60, seconds  # Hydra and verl's imports: before Ray, which alone takes longer
+
+    result, _ = check("run_spo_tree.sh", "--check", MODEL_PATH=str(tmp_path / "model"), DATA_DIR=str(data_dir))
+    assert result.returncode == 2
+    assert refusal(result).startswith(f"spo: actor_rollout_ref.model.path={tmp_path / 'model'}: no such model folder")
+
+    # The setting's own hub model, on a machine that cannot reach the hub and has not cached it.
+    result, _ = check("run_spo_tree.sh", "--check", DATA_DIR=str(data_dir), HF_HUB_OFFLINE="1",
+                      HF_HOME=str(tmp_path / "hf"))
+    assert result.returncode == 2
+    assert refusal(result).startswith("spo: actor_rollout_ref.model.path=deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B is a hub "
+                                      "model that is not in this machine's Hugging Face cache")
+
+
+def test_a_launch_of_a_gpu_setting_without_a_gpu_stops_at_once_through_the_python_entry_point(tiny_model, data_dir):
+    """The recipe README's way, ``python -m recipe.spo.main_spo setting=...``, refuses as the scripts do."""
+    started = time.monotonic()
+    result = subprocess.run([VENV_PYTHON, "-m", "recipe.spo.main_spo", "setting=math-r1-1.5b",
+                             f"actor_rollout_ref.model.path={tiny_model[0]}"], cwd=REPO, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "DATA_DIR": str(data_dir)})
+    assert result.returncode == 2
+    line = refusal(result)
+    assert line.startswith("spo: SETTING=math-r1-1.5b trains on GPUs, but") and "CPU-only build" in line
+    assert "Started a local Ray instance" not in result.stdout + result.stderr
+    assert time.monotonic() - started < 60
+
+
+def attention_config(attention="flash_attention_2", remove_padding=True, device="cuda"):
+    return OmegaConf.create({"trainer": {"device": device}, "actor_rollout_ref": {"model": {
+        "use_remove_padding": remove_padding, "override_config": {"attn_implementation": attention}}}})
+
+
+def cuda_torch(cuda="13.0"):
+    """A torch built with CUDA: none is installed here (the real check of a CPU build runs above)."""
+    return SimpleNamespace(__version__="2.11.0", version=SimpleNamespace(cuda=cuda))
+
+
+def test_flash_attention_is_required_where_torch_is_a_cuda_build(monkeypatch):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else real_find_spec(name, *a))
+    with pytest.raises(ValueError) as refused:
+        check_attention(attention_config(), cuda_torch())
+    assert str(refused.value) == ("actor_rollout_ref.model.override_config.attn_implementation=flash_attention_2 needs "
+                                  f"flash-attn, which this Python does not have: {FLASH_ATTN_INSTALL}")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else real_find_spec(name, *a))
+    assert check_attention(attention_config(), cuda_torch()) == ["attention: flash_attention_2 (flash-attn installed)"]
+    # A CPU build of torch cannot have flash-attn: reported, with what the GPU Python needs.
+    [line] = check_attention(attention_config(), cuda_torch(cuda=None))
+    assert "flash-attn not checked" in line and FLASH_ATTN_INSTALL in line
+
+
+def test_rows_without_padding_are_refused_with_an_attention_that_would_mix_them():
+    with pytest.raises(ValueError, match="use_remove_padding=true needs attn_implementation=flash_attention_2"):
+        check_attention(attention_config("sdpa"), cuda_torch())
+    assert check_attention(attention_config("sdpa", remove_padding=False), cuda_torch()) == ["attention: sdpa"]
+    assert check_attention(attention_config("sdpa", device="cpu"), cuda_torch()) == ["attention: sdpa"]
+
+
+def test_sdpa_lets_packed_rows_attend_to_each_other_which_is_why_remove_padding_needs_flash_attention(tiny_model):
+    """The measurement behind the refusal above: two rows packed into one sequence (verl's remove-padding
+    layout, positions restarting at each row) under transformers' sdpa are not the rows computed alone."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model[0], attn_implementation="sdpa").eval()
+    first, second = torch.arange(3, 10)[None], torch.arange(20, 25)[None]
+    with torch.no_grad():
+        alone = model(second).logits[0]
+        packed = model(torch.cat([first, second], 1), position_ids=torch.cat([torch.arange(7), torch.arange(5)])[None]).logits[0]
+    assert (packed[7:] - alone).abs().max() > 1e-2
