@@ -309,6 +309,26 @@ def _run_study(work: Path, cache: Path) -> Study:
     return Study(*runs, work)
 
 
+# The cluster settings rehearsed as shipped (scripts/rehearse.sh): SPO-tree 6-6-6 on MATH and SPO-chain int5 on GSM8K.
+REHEARSALS = [("math-r1-1.5b", "spo_tree"), ("gsm8k-rhomath-1.1b", "spo_chain")]
+
+
+def _run_rehearsal(setting: str, algorithm: str, work: Path) -> Run:
+    """``bash scripts/rehearse.sh SETTING ALGORITHM`` as a user runs it; only where it builds and writes is
+    the test's. Its two trainer starts (steps 1-2, then the resumed step 3) log to files it names."""
+    work.mkdir(parents=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("SETTING", "ALGORITHM", "VERL_FILE_LOGGER_PATH")}
+    env.update(SPO_REHEARSAL_CACHE=str(work / "cache"), CHECKPOINT_DIR=str(work / "checkpoints"),
+               TENSORBOARD_DIR=str(work / "tensorboard"))
+    log = work / "rehearsal.log"
+    started = time.perf_counter()
+    with open(log, "w") as out:
+        process = subprocess.run(["bash", "scripts/rehearse.sh", setting, algorithm], cwd=REPO, env=env, stdout=out,
+                                 stderr=subprocess.STDOUT, timeout=2 * RUN_TIMEOUT_S)
+    metrics = [REPO / path for path in re.findall(r"^spo: logs -> .* and (\S+); checkpoints", log.read_text(), re.MULTILINE)]
+    return Run(process.returncode, log, metrics, time.perf_counter() - started)
+
+
 class RunSlots:
     """``SPO_E2E_PARALLEL`` slots shared by the runs. The SmolLM2 run takes two: it needs about twice the
     memory of a tiny-model run, and three runs beside it exceeded this 24 GiB machine (Ray's memory monitor
@@ -354,11 +374,15 @@ def runs(request, tmp_path_factory, run_times):
         readme = pool.submit(_in_slots, slots, 2, _run_readme_command, work / "readme")
         cpu_default.build(cache)
         study = pool.submit(_in_slots, slots, 1, _run_study, work / "study", cache)
+        rehearsals = {f"rehearsal-{setting}-{algorithm}": pool.submit(_in_slots, slots, 1, _run_rehearsal, setting, algorithm,
+                                                                      work / f"rehearsal-{setting}-{algorithm}")
+                      for setting, algorithm in REHEARSALS}
         futures = {case.id: pool.submit(_in_slots, slots, 1, _run_case, case, cache, work / case.id)
                    for case in (*TURN_CASES, *CASES)}  # the resumed one first
         results = {case_id: future.result() for case_id, future in futures.items()}
         results["readme"] = readme.result()
         results["study"] = study.result()
+        results.update({name: future.result() for name, future in rehearsals.items()})
     for name, result in results.items():
         named = ({"first": result.first, "resumed": result.resumed} if isinstance(result, Case) else
                  {"killed": result.killed, "resumed": result.resumed, "again": result.again} if isinstance(result, Study)
@@ -773,3 +797,39 @@ def test_the_studys_finished_runs_archive_and_restore_to_the_same_verdict_and_ta
     for algorithm in STUDY_ALGORITHMS:
         assert [(r.step, sorted(r.base.values()), sorted(r.final.values())) for r in again[algorithm]] == \
                [(r.step, sorted(r.base.values()), sorted(r.final.values())) for r in original[algorithm]]
+
+
+@pytest.mark.parametrize(("setting", "algorithm"), REHEARSALS, ids=[f"{s}-{a}" for s, a in REHEARSALS])
+def test_a_cluster_setting_rehearses_as_shipped_through_verls_trainer(runs, setting, algorithm):
+    """The cluster setting's own tree or chain, micro-batches, FSDP2, recomputed old log-probs, KL to the
+    reference model, sampled validation of its held-out sets and checkpoints, trained, validated,
+    checkpointed at step 2 and resumed for step 3, with only the printed substitutions changed."""
+    run: Run = runs[f"rehearsal-{setting}-{algorithm}"]
+    assert run.returncode == 0, run.failure()
+    log = run.log.read_text()
+    assert f"rehearsal: {setting} / {algorithm} as shipped, but for:" in log
+    for substituted in ("trainer.device=cpu", "actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+                        "data.train_batch_size=", "trainer.total_training_steps=2"):
+        assert f"rehearsal:   {substituted}" in log, substituted
+    assert len(run.metrics) == 2, run.metrics  # the first run and the resumed one
+    first = dict(read_logged_steps(run.metrics[0]))
+    resumed = dict(read_logged_steps(run.metrics[1]))
+    # The setting validates before training (trainer.val_before_train), at step 2, and before the resumed step.
+    validation = ("val-core/HuggingFaceH4/MATH-500/acc/mean@1" if setting.startswith("math") else VALIDATION_KEY)
+    assert sorted(first) == [0, 1, 2] and validation in first[0] and validation in first[2]
+    assert sorted(resumed) == [2, 3] and validation in resumed[2] and "timing_s/step" not in resumed[2]
+    checkpoints = run.log.parent / "checkpoints"
+    assert (checkpoints / "global_step_2").is_dir()
+    trained = {step: data for step, data in [*first.items(), *resumed.items()] if "timing_s/step" in data}
+    assert sorted(trained) == [1, 2, 3]
+    for step, data in trained.items():
+        _assert_actor_updated_or_had_nothing_to_train(step, data)
+        assert "training/rollout_probs_diff_max" in data, step  # old log-probs recomputed: no bypass on the cluster
+        assert "actor/kl_loss" in data or data.get("spo/actor_update_rows") == 0, step
+    assert any(_finite(data.get("actor/pg_loss")) for data in trained.values())
+    if algorithm == "spo_tree":  # 6-6-6 of 150-token segments: the rehearsal's ~200-token answers branch twice
+        assert all(data["spo/tree/trees"] == 4 for data in trained.values())
+        assert all(6 < data["spo/tree/leaves_per_tree"] <= 216 for data in trained.values())
+        assert all(data["spo/tree/nodes_per_tree"] >= 6 + data["spo/tree/leaves_per_tree"] for data in trained.values())
+    else:
+        assert all(data["spo/chain/mc_continuations"] > 0 for data in trained.values())

@@ -1,0 +1,91 @@
+"""The rehearsal of a cluster setting (``scripts/rehearse.sh``) differs from the setting as shipped only in
+its declared substitutions and in what follows them through the configuration's interpolations: both
+configurations composed and resolved, every key compared. (The rehearsals themselves train through verl's
+trainer in tests/test_end_to_end_on_cpu.py.)"""
+
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from spo_verl.tools.rehearsal.__main__ import compose_shipped
+from spo_verl.tools.rehearsal.build import FAMILIES
+from spo_verl.tools.rehearsal.substitutions import (BATCH_FACTOR, DERIVED, LENGTH_FACTOR, Substitution, scaled_length,
+                                                    substitutions)
+
+ALGORITHMS = ["spo_tree", "spo_tree_cutpoint", "spo_chain", "grpo", "grpo_prob_mask", "ppo"]
+MODEL = "/rehearsal/model"
+
+
+def flat(config) -> dict[str, object]:
+    container = OmegaConf.to_container(config, resolve=True)
+    found = {}
+
+    def walk(node, prefix):
+        if isinstance(node, dict) and node:
+            for key, value in node.items():
+                walk(value, f"{prefix}.{key}" if prefix else str(key))
+        else:
+            found[prefix] = node
+
+    walk(container, "")
+    return found
+
+
+def test_the_rehearsal_differs_from_the_setting_only_in_its_substitutions(monkeypatch, tmp_path):
+    followed = set()
+    for setting, algorithm in ((setting, algorithm) for setting in sorted(FAMILIES) for algorithm in ALGORITHMS):
+        monkeypatch.setenv("DATA_DIR", "/cluster/data")
+        shipped = compose_shipped(setting, algorithm)
+        changes = substitutions(shipped, MODEL)
+        as_shipped = flat(shipped)
+        monkeypatch.setenv("DATA_DIR", str(tmp_path / "rehearsal-data"))
+        rehearsed = flat(compose_shipped(setting, algorithm, tuple(change.override() for change in changes)))
+        differing = {key for key in as_shipped.keys() | rehearsed.keys() if as_shipped.get(key) != rehearsed.get(key)}
+        substituted = {change.key for change in changes}
+        assert substituted <= differing, (setting, algorithm, substituted - differing)
+        assert differing - substituted <= set(DERIVED), (setting, algorithm, sorted(differing - substituted - set(DERIVED)))
+        for change in changes:
+            assert rehearsed[change.key] == change.value, change
+        followed |= differing - substituted
+    assert followed == set(DERIVED)  # the declared list is exact: no key in it that nothing changes
+
+
+@pytest.mark.parametrize("setting", sorted(FAMILIES))
+def test_what_the_rehearsal_keeps_of_the_setting(setting):
+    """The tree shape, the micro-batch rules, FSDP, the log-prob passes, validation sampling, checkpoints
+    and the optimiser are the setting's; lengths and prompts are scaled by one factor each."""
+    for algorithm in ALGORITHMS:
+        shipped = compose_shipped(setting, algorithm)
+        changes = {change.key: change for change in substitutions(shipped, MODEL)}
+        for kept in ("algorithm.spo.tree.branching", "actor_rollout_ref.actor.use_dynamic_bsz",
+                     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "actor_rollout_ref.actor.strategy",
+                     "actor_rollout_ref.ref.strategy", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+                     "algorithm.rollout_correction.bypass_mode", "actor_rollout_ref.rollout.val_kwargs.do_sample",
+                     "actor_rollout_ref.rollout.temperature", "trainer.resume_mode", "actor_rollout_ref.actor.optim.lr",
+                     "actor_rollout_ref.actor.use_kl_loss", "actor_rollout_ref.actor.ppo_epochs",
+                     "actor_rollout_ref.rollout.n", "trainer.val_before_train"):
+            assert kept not in changes, (algorithm, kept)
+        data = shipped.data
+        assert changes["data.max_prompt_length"].value == -(-data.max_prompt_length // LENGTH_FACTOR)
+        assert changes["data.max_response_length"].value == -(-data.max_response_length // LENGTH_FACTOR)
+        assert changes["data.train_batch_size"].value * BATCH_FACTOR == data.train_batch_size
+        steps_per_iteration = data.train_batch_size // shipped.actor_rollout_ref.actor.ppo_mini_batch_size
+        assert (changes["data.train_batch_size"].value // changes["actor_rollout_ref.actor.ppo_mini_batch_size"].value
+                == steps_per_iteration)
+        assert changes["actor_rollout_ref.model.override_config.attn_implementation"].value == "sdpa"
+        assert changes["trainer.device"].value == "cpu" and changes["trainer.n_gpus_per_node"].value == 1
+
+
+def test_lengths_round_up_and_overrides_are_hydra_syntax():
+    assert scaled_length(1900) == 475 and scaled_length(30) == 8 and scaled_length([600, 600]) == [150, 150]
+    assert scaled_length(1) == 1
+    assert Substitution("a.b", [8, 8], "why").override() == "a.b=[8,8]"
+    assert Substitution("a.b", False, "why", new_key=True).override() == "+a.b=false"
+
+
+def test_a_setting_without_a_rehearsal_is_refused_with_the_rehearsed_ones(tmp_path):
+    from spo_verl.tools.rehearsal.__main__ import main
+
+    assert main(["cpu-tiny", "spo_tree", "--output-dir", str(tmp_path)]) == 2
+    assert not any(Path(tmp_path).iterdir())
