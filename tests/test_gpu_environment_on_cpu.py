@@ -10,10 +10,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from spo_verl.tools import gpu_environment
 
 REPO = Path(__file__).resolve().parents[1]
+TORCH_IS_A_CUDA_BUILD = torch.version.cuda is not None  # the set-up's .venv has the CPU build
 
 
 def launch(script: str, **env) -> tuple[subprocess.CompletedProcess, float]:
@@ -27,8 +29,11 @@ def launch(script: str, **env) -> tuple[subprocess.CompletedProcess, float]:
 def test_a_gpu_setting_with_a_cpu_only_torch_stops_before_ray(script, setting):
     result, seconds = launch(script, SETTING=setting, PYTHON=sys.executable)  # this .venv: torch's CPU build
     assert result.returncode == 2 and seconds < 60
-    assert f"spo: SETTING={setting} trains on GPUs, but {sys.executable} has torch " in result.stderr
-    assert "a CPU-only build" in result.stderr and "pip install 'verl[vllm]==0.9.1'" in result.stderr
+    if TORCH_IS_A_CUDA_BUILD:  # a GPU user's torch on this machine without a GPU (scripts/test_gpu_user_versions.sh)
+        assert f"spo: SETTING={setting} trains on GPUs, but torch " in result.stderr and "sees no GPU" in result.stderr
+    else:
+        assert f"spo: SETTING={setting} trains on GPUs, but {sys.executable} has torch " in result.stderr
+        assert "a CPU-only build" in result.stderr and "pip install 'verl[vllm]==0.9.1'" in result.stderr
     output = result.stdout + result.stderr
     assert "Started a local Ray instance" not in output and "ray init kwargs" not in output
 
@@ -68,8 +73,6 @@ def test_a_cuda_build_that_sees_no_device_is_refused_naming_what_was_checked(mon
     assert gpu_environment.problem("math-r1-1.5b", _torch("12.8", 8)) is None
 
 
-def test_the_real_torch_here_is_named_as_a_cpu_build():
-    import torch
-
-    assert torch.version.cuda is None  # this machine's stack; the check must say so
-    assert "a CPU-only build" in gpu_environment.problem("cpu-check", None)
+def test_the_real_torch_here_is_named_by_what_keeps_it_from_a_gpu():
+    """The set-up's CPU build is named as one; a GPU user's CUDA build on this machine sees no GPU."""
+    assert ("sees no GPU" if TORCH_IS_A_CUDA_BUILD else "a CPU-only build") in gpu_environment.problem("cpu-check", None)
