@@ -10,11 +10,17 @@ that start and stop Ray themselves); then the end-to-end runs of verl's whole tr
 shut down. Async tests that use the server run in the session event loop: mark them with
 ``pytest.mark.asyncio(loop_scope="session")``.
 
+Where vLLM is not installed (``scripts/test_gpu_user_versions.sh`` runs the suite on a GPU user's torch
+and transformers without it), the tests that need it are deselected, counted and named at the end of
+the session (:func:`needs_vllm`): the end-to-end runs, the tests that use verl's server, and those
+marked ``@pytest.mark.needs_vllm``. Every other test runs as usual.
+
 Each end-to-end run records its wall time and phases through :func:`run_times`; the table is printed
 at the end of the session (tests/README.md)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -26,13 +32,31 @@ from spo_verl.tools.cpu_settings.tiny_model import build_tiny_qwen2, build_tiny_
 
 SERVER_FIXTURE = "verl_server"
 END_TO_END = "end_to_end"
+NEEDS_VLLM = "needs_vllm"
+VLLM_INSTALLED = importlib.util.find_spec("vllm") is not None
 RUN_TIMES = pytest.StashKey[Path]()
+DESELECTED_NEEDING_VLLM = pytest.StashKey[list]()
 RUNNING_SERVERS: list = []  # verl servers this session started and has not shut down
+
+
+def pytest_addoption(parser):
+    parser.addoption("--needs-vllm-list", metavar="PATH",
+                     help="write the ids of the tests deselected because vLLM is not installed to PATH, one a line")
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", f"{END_TO_END}: a run of verl's whole trainer through the run scripts "
                                        "(minutes; the fast tier deselects them with -m 'not end_to_end')")
+    config.addinivalue_line("markers", f"{NEEDS_VLLM}: the test starts or imports vLLM; deselected, and named at the "
+                                       "end, where vLLM is not installed")
+    config.stash[DESELECTED_NEEDING_VLLM] = []
+
+
+def needs_vllm(item) -> bool:
+    """The end-to-end runs train through vLLM and the server's tests talk to it: both need it without
+    a mark of their own."""
+    return bool(item.get_closest_marker(NEEDS_VLLM) or item.get_closest_marker(END_TO_END)
+                or SERVER_FIXTURE in getattr(item, "fixturenames", ()))
 
 
 def _tier(item) -> int:
@@ -41,12 +65,33 @@ def _tier(item) -> int:
     return 1 if SERVER_FIXTURE in getattr(item, "fixturenames", ()) else 0
 
 
+@pytest.hookimpl(trylast=True)  # after -m and -k, so that only tests they kept count as deselected here
 def pytest_collection_modifyitems(session, config, items):
     """Unit and seam tests first, then the tests that use verl's server, then the end-to-end runs;
     each tier keeps its order. pytest-xdist's workers (scripts/run_tests.sh) take tests in this order
     too, each its share: a worker starts its own server at its first server test, after any test it
-    runs that starts and stops Ray in the process itself."""
+    runs that starts and stops Ray in the process itself.
+
+    Without vLLM the tests that need it would fail for want of it, hiding what else fails: they are
+    deselected instead and named in the summary (pytest-xdist's workers hand their list to the
+    controller, which prints it)."""
+    if not VLLM_INSTALLED:
+        needing = [item for item in items if needs_vllm(item)]
+        if needing:
+            items[:] = [item for item in items if not needs_vllm(item)]
+            config.hook.pytest_deselected(items=needing)
+            config.stash[DESELECTED_NEEDING_VLLM] = [item.nodeid for item in needing]
+            if hasattr(config, "workeroutput"):  # a pytest-xdist worker
+                config.workeroutput[NEEDS_VLLM] = config.stash[DESELECTED_NEEDING_VLLM]
     items.sort(key=_tier)
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook, on its controller
+def pytest_testnodedown(node, error):
+    """Every worker collects the whole suite and so deselects the same tests; the first list in is kept."""
+    listed = getattr(node, "workeroutput", {}).get(NEEDS_VLLM)
+    if listed and not node.config.stash[DESELECTED_NEEDING_VLLM]:
+        node.config.stash[DESELECTED_NEEDING_VLLM] = listed
 
 
 @pytest.hookimpl(tryfirst=True)  # before the item's fixtures are set up
@@ -79,6 +124,22 @@ def run_times(request, tmp_path_factory) -> RunTimes:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    _report_deselected_needing_vllm(terminalreporter, config)
+    _report_run_times(terminalreporter, config)
+
+
+def _report_deselected_needing_vllm(terminalreporter, config) -> None:
+    deselected = config.stash[DESELECTED_NEEDING_VLLM]
+    listed = config.getoption("--needs-vllm-list")
+    if listed:
+        Path(listed).write_text("".join(f"{nodeid}\n" for nodeid in deselected))
+    if deselected:
+        terminalreporter.section(f"deselected: {len(deselected)} tests that need vLLM, which is not installed")
+        for nodeid in deselected:
+            terminalreporter.write_line(nodeid)
+
+
+def _report_run_times(terminalreporter, config) -> None:
     path = config.stash.get(RUN_TIMES, None)
     if path is None or not path.exists():
         return

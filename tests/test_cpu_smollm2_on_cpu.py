@@ -186,6 +186,7 @@ def test_the_dialogue_task_plays_episodes_with_every_algorithm(built, script, al
     assert OmegaConf.select(printed, key) == value
 
 
+@pytest.mark.needs_vllm  # the calibration generates with vLLM's offline LLM
 def test_the_calibration_plays_the_dialogue_tasks_episodes_to_their_end(built, tmp_path):
     """The base model's accuracy on a multi-turn task: each held-out dialogue played against the
     environment through vLLM (greedy, then sampled), with the run's episode rules, scored by its reward."""
