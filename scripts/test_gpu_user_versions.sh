@@ -99,12 +99,23 @@ tests_s=$((SECONDS - tests_start))
 import datetime, importlib.metadata as md, pathlib, sys, xml.etree.ElementTree as ET
 import torch  # its local version names the build (+cu130), which the distribution's version does not
 out, tests_s, setup_s, status = pathlib.Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+
+
+def node_id(classname: str, name: str) -> str:
+    """pytest's id of a JUnit test case, as the deselected tests are listed: JUnit dots the file's path."""
+    parts = classname.split(".")
+    for cut in range(len(parts), 0, -1):
+        if pathlib.Path(*parts[:cut]).with_suffix(".py").exists():
+            return "::".join(["/".join(parts[:cut]) + ".py", *parts[cut:], name])
+    return f"{classname}::{name}"
+
+
 counts = {"passed": 0, "failed": 0, "skipped": 0}
 failed = []
 junit = out / "junit.xml"
 if junit.exists():
     for case in ET.parse(junit).getroot().iter("testcase"):
-        name = f"{case.get('classname')}::{case.get('name')}"
+        name = node_id(case.get("classname"), case.get("name"))
         if case.find("failure") is not None or case.find("error") is not None:
             counts["failed"] += 1  # an error in a fixture counts as the test's failure
             failed.append(name)
