@@ -372,11 +372,12 @@ def runs(request, tmp_path_factory, run_times):
         # two) is built once for the others. Then the longest runs first, so that the short ones fill
         # the slots around them.
         readme = pool.submit(_in_slots, slots, 2, _run_readme_command, work / "readme")
-        cpu_default.build(cache)
-        study = pool.submit(_in_slots, slots, 1, _run_study, work / "study", cache)
+        # The rehearsals need no cpu-tiny either, and the MATH one is the longest run: they start first.
         rehearsals = {f"rehearsal-{setting}-{algorithm}": pool.submit(_in_slots, slots, 1, _run_rehearsal, setting, algorithm,
                                                                       work / f"rehearsal-{setting}-{algorithm}")
                       for setting, algorithm in REHEARSALS}
+        cpu_default.build(cache)
+        study = pool.submit(_in_slots, slots, 1, _run_study, work / "study", cache)
         futures = {case.id: pool.submit(_in_slots, slots, 1, _run_case, case, cache, work / case.id)
                    for case in (*TURN_CASES, *CASES)}  # the resumed one first
         results = {case_id: future.result() for case_id, future in futures.items()}

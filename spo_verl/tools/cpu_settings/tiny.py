@@ -72,6 +72,8 @@ def fine_tune(model_dir: Path, steps: int = FINE_TUNE_STEPS) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from spo_verl.tools.cpu_settings.tiny_model import train_on_answers
+
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     torch.manual_seed(SEED)
@@ -83,23 +85,7 @@ def fine_tune(model_dir: Path, steps: int = FINE_TUNE_STEPS) -> None:
         prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
         answer = tokenizer.encode(worked_answer(a, b), add_special_tokens=False) + [tokenizer.eos_token_id]
         sequences.append((prompt, answer))
-    width = max(len(p) + len(a) for p, a in sequences)
-    ids = torch.full((len(sequences), width), tokenizer.pad_token_id)
-    labels = torch.full((len(sequences), width), -100)
-    attention = torch.zeros((len(sequences), width), dtype=torch.long)
-    for i, (prompt, answer) in enumerate(sequences):
-        tokens = prompt + answer
-        ids[i, : len(tokens)] = torch.tensor(tokens)
-        labels[i, len(prompt) : len(tokens)] = torch.tensor(answer)
-        attention[i, : len(tokens)] = 1
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    model.train()
-    for _ in range(steps):
-        loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    model.eval()
+    train_on_answers(model, sequences, tokenizer.pad_token_id, steps)
     model.save_pretrained(str(model_dir), safe_serialization=True)
 
 

@@ -277,3 +277,28 @@ def temporary_tiny_qwen2(seed: int = 0):
     with tempfile.TemporaryDirectory() as model_dir:
         build_tiny_qwen2(model_dir, build_tiny_tokenizer(model_dir), seed=seed)
         yield model_dir
+
+
+def train_on_answers(model, sequences: Sequence[tuple[list[int], list[int]]], pad_token_id: int, steps: int,
+                     lr: float = 3e-3) -> None:
+    """Teacher-forced full-batch training of ``model`` on ``(prompt ids, answer ids)`` pairs, the loss on
+    the answer tokens only: how the CPU settings' and the rehearsal's small models learn a format."""
+    import torch
+
+    width = max(len(prompt) + len(answer) for prompt, answer in sequences)
+    ids = torch.full((len(sequences), width), pad_token_id)
+    labels = torch.full((len(sequences), width), -100)
+    attention = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, (prompt, answer) in enumerate(sequences):
+        tokens = prompt + answer
+        ids[row, : len(tokens)] = torch.tensor(tokens)
+        labels[row, len(prompt): len(tokens)] = torch.tensor(answer)
+        attention[row, : len(tokens)] = 1
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    for _ in range(steps):
+        loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()

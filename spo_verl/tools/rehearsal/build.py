@@ -17,8 +17,7 @@ from spo_verl.tools import REPO
 
 VERSION = 5  # bump when what is built changes, so caches are rebuilt
 SEED = 0
-# Enough to learn the answer format (and to be right by chance, a few in a hundred: rewards differ), not
-# the sums: an answer of ~45 tokens (the rehearsal's trees mostly stop inside their first segment).
+# Enough to learn the answer format (and to be right by chance, some in ten: rewards differ), not the sums.
 FINE_TUNE_STEPS = 150
 TRAIN_PROBLEMS, HELD_OUT_PROBLEMS = 64, 16
 FINE_TUNED_ON = 32  # of the train problems
@@ -154,6 +153,8 @@ def fine_tune(folder: Path, family: Family, template: str, steps: int = FINE_TUN
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from spo_verl.tools.cpu_settings.tiny_model import train_on_answers
+
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     tokenizer.chat_template = template
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
@@ -164,23 +165,8 @@ def fine_tune(folder: Path, family: Family, template: str, steps: int = FINE_TUN
         prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
         text = answer(family, item)
         sequences.append((prompt, tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]))
-    width = max(len(prompt) + len(target) for prompt, target in sequences)
-    ids = torch.full((len(sequences), width), tokenizer.pad_token_id)
-    labels = torch.full((len(sequences), width), -100)
-    attention = torch.zeros((len(sequences), width), dtype=torch.long)
-    for row, (prompt, target) in enumerate(sequences):
-        tokens = prompt + target
-        ids[row, : len(tokens)] = torch.tensor(tokens)
-        labels[row, len(prompt): len(tokens)] = torch.tensor(target)
-        attention[row, : len(tokens)] = 1
     torch.manual_seed(SEED)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    model.train()
-    for _ in range(steps):
-        loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    train_on_answers(model, sequences, tokenizer.pad_token_id, steps)
     model.save_pretrained(str(folder), safe_serialization=True)
 
 
