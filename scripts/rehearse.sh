@@ -26,7 +26,7 @@ PYTHON="${PYTHON:-$repo_root/.venv/bin/python}"
 rehearsal_output="$("$PYTHON" -m spo_verl.tools.rehearsal "$SETTING" "$ALGORITHM" \
   --output-dir "${SPO_REHEARSAL_CACHE:-$HOME/.cache/spo-verl/rehearsal}")"
 eval "$rehearsal_output"
-export SPO_REHEARSAL=1 DATA_DIR="$rehearsal_data_dir" PYTHON
+export SPO_REHEARSAL=1 MODEL_PATH="$rehearsal_model" DATA_DIR="$rehearsal_data_dir" PYTHON
 export EXPERIMENT_NAME="${EXPERIMENT_NAME:-rehearsal-${SETTING}-${ALGORITHM}}"
 export CHECKPOINT_DIR="${CHECKPOINT_DIR:-$repo_root/checkpoints/rehearsal/${SETTING}-${ALGORITHM}}"
 

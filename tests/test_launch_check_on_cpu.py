@@ -4,11 +4,13 @@ flash-attn is refused before Ray with one line naming it.
 
 What this machine forces, and only that: ``MODEL_PATH`` and ``DATA_DIR`` (the documented variables) point
 at a tiny local model and at problems written by ``scripts/prepare_data.sh``, since no hub is reachable;
-``PYTHON`` names the set-up's .venv, this machine's only Python with verl (a cluster's is its python3).
+``PYTHON`` names the Python running the tests (the set-up's .venv), this machine's only Python with verl
+(a cluster's is its python3).
 """
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,7 +23,7 @@ from recipe.spo.launch_checks import FLASH_ATTN_INSTALL, check_attention
 # The set-up's CPU build reports flash-attn; a CUDA build of torch without flash-attn is refused.
 TORCH_IS_A_CUDA_BUILD = torch.version.cuda is not None
 REPO = Path(__file__).resolve().parents[1]
-VENV_PYTHON = str(REPO / ".venv" / "bin" / "python")
+PYTHON = sys.executable  # the set-up's .venv in the suite (a GPU user's torch under scripts/test_gpu_user_versions.sh)
 ALGORITHMS = ["spo_tree", "spo_tree_cutpoint", "spo_chain", "grpo", "grpo_prob_mask", "ppo"]
 # Each cluster setting through the script that runs it on a cluster, ALGORITHM choosing the bundle.
 SETTING_SCRIPTS = {"math-r1-1.5b": "run_spo_tree.sh", "gsm8k-rhomath-1.1b": "run_spo_chain.sh"}
@@ -46,7 +48,7 @@ def data_dir(tmp_path_factory):
 
 def check(script, *args, **env):
     environment = {key: value for key, value in os.environ.items() if key not in ("SETTING", "ALGORITHM", "PYTHON")}
-    environment.update(PYTHON=VENV_PYTHON, **env)
+    environment.update(PYTHON=PYTHON, **env)
     return subprocess.run(["bash", str(REPO / "scripts" / script), *args], env=environment, capture_output=True,
                           text=True, timeout=300, cwd="/")
 
@@ -112,7 +114,7 @@ def test_a_missing_data_file_or_model_is_refused_before_ray_naming_it(tiny_model
 
 def test_a_launch_of_a_gpu_setting_without_a_gpu_stops_at_once_through_the_python_entry_point(tiny_model, data_dir):
     """The recipe README's way, ``python -m recipe.spo.main_spo setting=...``, refuses as the scripts do."""
-    result = subprocess.run([VENV_PYTHON, "-m", "recipe.spo.main_spo", "setting=math-r1-1.5b",
+    result = subprocess.run([PYTHON, "-m", "recipe.spo.main_spo", "setting=math-r1-1.5b",
                              f"actor_rollout_ref.model.path={tiny_model[0]}"], cwd=REPO, capture_output=True, text=True,
                             timeout=300, env={**os.environ, "DATA_DIR": str(data_dir)})
     assert result.returncode == 2

@@ -26,7 +26,7 @@ from verl.trainer.ppo.utils import need_critic, need_reference_policy
 from verl.utils.config import validate_config
 from verl.utils.device import auto_set_device
 
-from recipe.spo.launch_checks import check_launch, gpu_problem
+from recipe.spo.launch_checks import check_launch, gpu_problem, needs_gpu
 from spo_verl.adapters.trainer.runners import run_with_one_restart, task_runner_for
 from spo_verl.adapters.trainer.validation import validate_spo_run
 
@@ -81,10 +81,11 @@ def chosen_setting() -> str:
     return setting or "(no setting)"
 
 
-def report_check(found: list[str], gpu: str | None, setting: str) -> None:
+def report_check(config, found: list[str], gpu: str | None, setting: str) -> None:
     for line in found:
         print(f"spo: check: {line}", flush=True)
-    print(f"spo: check: GPU: {gpu or 'this Python can train on the GPUs it sees'}", flush=True)
+    seen = gpu or ("this Python can train on the GPUs it sees" if needs_gpu(config) else "none needed (trainer.device=cpu)")
+    print(f"spo: check: GPU: {seen}", flush=True)
     print(f"spo: check passed: setting={setting}: the configuration, verl's own checks, the model, the data and the "
           "attention kernel are ready; nothing was started", flush=True)
 
@@ -96,7 +97,7 @@ def main(config):
     setting = chosen_setting()
     gpu = gpu_problem(config, setting)
     if CHECK_ONLY:
-        report_check(found, gpu, setting)
+        report_check(config, found, gpu, setting)
         return
     if gpu is not None:
         refuse(ValueError(gpu))
