@@ -47,14 +47,20 @@ def warn_if_another_verl(version: str = verl.__version__) -> bool:
     return True
 
 
-def validate_or_exit(config) -> list[str]:
-    """Validate before Ray starts and return what the launch checks found; a refusal exits with one line
-    (Hydra would print its own "Error executing job" and a traceback for it; a SystemExit passes through
-    Hydra untouched)."""
+def validate_or_exit(config) -> None:
+    """Validate before Ray starts; a refusal exits with one line (Hydra would print its own "Error
+    executing job" and a traceback for it; a SystemExit passes through Hydra untouched)."""
     try:
         auto_set_device(config)
         validate_spo_run(config)
         validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    except ValueError as error:
+        refuse(error)
+
+
+def launch_checks_or_exit(config) -> list[str]:
+    """What the launch needs (``launch_checks.py``), found or refused with one line."""
+    try:
         return check_launch(config)
     except ValueError as error:
         refuse(error)
@@ -93,14 +99,15 @@ def report_check(config, found: list[str], gpu: str | None, setting: str) -> Non
 @hydra.main(config_path="config", config_name="spo_trainer", version_base=None)
 def main(config):
     warn_if_another_verl()
-    found = validate_or_exit(config)
+    validate_or_exit(config)
     setting = chosen_setting()
     gpu = gpu_problem(config, setting)
+    if gpu is not None and not CHECK_ONLY:  # the first thing a launch needs; --check reports it instead
+        refuse(ValueError(gpu))
+    found = launch_checks_or_exit(config)
     if CHECK_ONLY:
         report_check(config, found, gpu, setting)
         return
-    if gpu is not None:
-        refuse(ValueError(gpu))
     run_with_one_restart(run_ppo, config, task_runner_for(config))
 
 
