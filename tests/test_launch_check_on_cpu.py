@@ -25,8 +25,7 @@ TORCH_IS_A_CUDA_BUILD = torch.version.cuda is not None
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable  # the set-up's .venv in the suite (a GPU user's torch under scripts/test_gpu_user_versions.sh)
 ALGORITHMS = ["spo_tree", "spo_tree_cutpoint", "spo_chain", "grpo", "grpo_prob_mask", "ppo"]
-# Each cluster setting through the script that runs it on a cluster, ALGORITHM choosing the bundle.
-SETTING_SCRIPTS = {"math-r1-1.5b": "run_spo_tree.sh", "gsm8k-rhomath-1.1b": "run_spo_chain.sh"}
+CLUSTER_SETTINGS = ["gsm8k-rhomath-1.1b", "math-r1-1.5b"]
 # The scripts as docs/CLUSTER.md shows them, each with its own algorithm and setting.
 CLUSTER_SCRIPTS = {"run_spo_tree.sh": ("math-r1-1.5b", "spo_tree"), "run_spo_chain.sh": ("gsm8k-rhomath-1.1b", "spo_chain"),
                    "run_grpo.sh": ("math-r1-1.5b", "grpo"), "run_grpo_gsm8k.sh": ("gsm8k-rhomath-1.1b", "grpo"),
@@ -60,23 +59,31 @@ def refusal(result) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("setting", sorted(SETTING_SCRIPTS))
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_every_cluster_setting_passes_the_check_with_every_algorithm(setting, algorithm, tiny_model, data_dir):
-    result = check(SETTING_SCRIPTS[setting], "--check", SETTING=setting, ALGORITHM=algorithm,
-                   MODEL_PATH=tiny_model[0], DATA_DIR=str(data_dir))
-    if TORCH_IS_A_CUDA_BUILD:  # a GPU user's torch (scripts/test_gpu_user_versions.sh), no flash-attn: refused
-        assert result.returncode == 2 and refusal(result).endswith(f"which this Python does not have: {FLASH_ATTN_INSTALL}")
-        return
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    out = result.stdout
-    assert f"spo: check passed: setting={setting}" in out
-    assert f"actor_rollout_ref.model.path={tiny_model[0]}: model and tokenizer load" in out
-    assert f"data.train_files: {data_dir}/{'math' if setting.startswith('math') else 'gsm8k'}/train.parquet: 64 rows" in out
-    # This Python's torch is a CPU build: the GPU and flash-attn are reported, not required.
-    assert "attention: flash_attention_2; flash-attn not checked" in out and FLASH_ATTN_INSTALL in out
-    assert "spo: check: GPU: SETTING=" in out and "CPU-only build" in out
-    assert "Started a local Ray instance" not in result.stdout + result.stderr
+@pytest.mark.parametrize("setting", CLUSTER_SETTINGS)
+def test_every_cluster_setting_passes_the_check_with_every_algorithm(setting, tiny_model, data_dir, monkeypatch, capsys):
+    """The entry point's checks in this process, as ``--check`` runs them after composing (the scripts' own
+    path, a process each, below): one Python start instead of twelve."""
+    from hydra import compose, initialize_config_dir
+
+    from recipe.spo.main_spo import checks_before_ray
+
+    monkeypatch.setenv("DATA_DIR", str(data_dir))
+    for algorithm in ALGORITHMS:
+        with initialize_config_dir(config_dir=str(REPO / "recipe" / "spo" / "config"), version_base=None):
+            config = compose(config_name="spo_trainer", overrides=[f"setting={setting}", f"spo_algorithm={algorithm}",
+                                                                   f"actor_rollout_ref.model.path={tiny_model[0]}"])
+        if TORCH_IS_A_CUDA_BUILD:  # a GPU user's torch (scripts/test_gpu_user_versions.sh), no flash-attn: refused
+            with pytest.raises(SystemExit):
+                checks_before_ray(config, setting, require_gpu=False)
+            assert capsys.readouterr().err.strip().endswith(f"which this Python does not have: {FLASH_ATTN_INSTALL}")
+            continue
+        found, gpu = checks_before_ray(config, setting, require_gpu=False)
+        assert f"actor_rollout_ref.model.path={tiny_model[0]}: model and tokenizer load" in found, algorithm
+        assert f"data.train_files: {data_dir}/{'math' if setting.startswith('math') else 'gsm8k'}/train.parquet: 64 rows" in found
+        # This Python's torch is a CPU build: the GPU and flash-attn are reported, not required.
+        [attention] = [line for line in found if line.startswith("attention:")]
+        assert "flash_attention_2; flash-attn not checked" in attention and FLASH_ATTN_INSTALL in attention
+        assert gpu.startswith(f"SETTING={setting} trains on GPUs") and "CPU-only build" in gpu
 
 
 @pytest.mark.parametrize("script", sorted(CLUSTER_SCRIPTS))
@@ -88,8 +95,13 @@ def test_every_cluster_script_passes_the_check_as_documented(script, tiny_model,
         assert result.returncode == 2 and FLASH_ATTN_INSTALL in refusal(result)
         return
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert f"spo: algorithm={algorithm} setting={setting}" in result.stdout
-    assert f"spo: check passed: setting={setting}" in result.stdout
+    out = result.stdout
+    assert f"spo: algorithm={algorithm} setting={setting}" in out
+    assert f"spo: check passed: setting={setting}" in out
+    assert f"spo: check: actor_rollout_ref.model.path={tiny_model[0]}: model and tokenizer load" in out
+    assert "spo: check: attention: flash_attention_2; flash-attn not checked" in out and FLASH_ATTN_INSTALL in out
+    assert "spo: check: GPU: SETTING=" in out and "CPU-only build" in out
+    assert "Started a local Ray instance" not in out + result.stderr
 
 
 def test_a_missing_data_file_or_model_is_refused_before_ray_naming_it(tiny_model, data_dir, tmp_path):

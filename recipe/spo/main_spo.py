@@ -99,16 +99,23 @@ def report_check(config, found: list[str], gpu: str | None, setting: str) -> Non
 @hydra.main(config_path="config", config_name="spo_trainer", version_base=None)
 def main(config):
     warn_if_another_verl()
-    validate_or_exit(config)
     setting = chosen_setting()
-    gpu = gpu_problem(config, setting)
-    if gpu is not None and not CHECK_ONLY:  # the first thing a launch needs; --check reports it instead
-        refuse(ValueError(gpu))
-    found = launch_checks_or_exit(config)
+    found, gpu = checks_before_ray(config, setting, require_gpu=not CHECK_ONLY)
     if CHECK_ONLY:
         report_check(config, found, gpu, setting)
         return
     run_with_one_restart(run_ppo, config, task_runner_for(config))
+
+
+def checks_before_ray(config, setting: str, require_gpu: bool) -> tuple[list[str], str | None]:
+    """Everything checked before Ray, in the order a launch needs it: the configuration, a GPU (the first
+    thing a launch needs; ``--check`` reports it instead), then the model, data and attention kernel.
+    Returns what the launch checks found and why there is no usable GPU (None: there is, or none is needed)."""
+    validate_or_exit(config)
+    gpu = gpu_problem(config, setting)
+    if gpu is not None and require_gpu:
+        refuse(ValueError(gpu))
+    return launch_checks_or_exit(config), gpu
 
 
 def take_check_flag(argv: list[str]) -> bool:
