@@ -56,13 +56,12 @@ def model_paths(config: Any) -> dict[str, str]:
 
 
 def check_models(config: Any) -> list[str]:
-    report, loaded = [], {}
+    """Each distinct path once, under the first key that names it."""
+    first_key: dict[str, str] = {}
     for key, path in model_paths(config).items():
-        if path in loaded:
-            continue
-        loaded[path] = key
-        report.append(check_model(key, str(path), config.actor_rollout_ref.model.get("custom_chat_template", None)))
-    return report
+        first_key.setdefault(path, key)
+    template = config.actor_rollout_ref.model.get("custom_chat_template", None)
+    return [check_model(key, str(path), template) for path, key in first_key.items()]
 
 
 def looks_local(path: str) -> bool:
