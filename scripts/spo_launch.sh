@@ -85,6 +85,13 @@ override_from TEST_FREQ trainer.test_freq
 
 PROJECT_NAME="${PROJECT_NAME:-spo}"
 EXPERIMENT_NAME="${EXPERIMENT_NAME:-${SETTING}-${ALGORITHM}}"
+# A name given to Hydra names the run's folders too (Hydra takes the last of several).
+for argument in "$@"; do
+  case "$argument" in
+    trainer.project_name=*) PROJECT_NAME="${argument#*=}" ;;
+    trainer.experiment_name=*) EXPERIMENT_NAME="${argument#*=}" ;;
+  esac
+done
 # Absolute paths: verl's workers on other nodes resolve a relative one against their own working
 # directory. On several nodes, put them (or the repository) on a file system every node shares.
 absolute() { [[ "$1" == /* ]] && echo "$1" || echo "$repo_root/$1"; }
@@ -156,8 +163,8 @@ echo "spo: algorithm=$ALGORITHM setting=$SETTING model=$model_shown nodes=${NNOD
 [[ "$check_only" == 1 ]] && echo "spo: --check: checking what this launch needs; nothing is started"
 echo "spo: logs -> console, tensorboard at $TENSORBOARD_DIR and $VERL_FILE_LOGGER_PATH; checkpoints -> $CHECKPOINT_DIR"
 
-# The two paths go to every Ray worker through verl's runtime_env: workers that `ray start` began on
-# other nodes do not see this shell's exports (verl forwards only its own variables).
+# The entry point hands every Ray worker the variables its processes read (the two log paths above,
+# the CPU platform's): workers that `ray start` began on other nodes do not see this shell's exports.
 command=(
   "$PYTHON" -m recipe.spo.main_spo
   setting="$SETTING"
@@ -168,8 +175,6 @@ command=(
   trainer.experiment_name="$EXPERIMENT_NAME"
   trainer.default_local_dir="$CHECKPOINT_DIR"
   'trainer.logger=["console","tensorboard","file"]'
-  "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH=$VERL_FILE_LOGGER_PATH"
-  "+ray_kwargs.ray_init.runtime_env.env_vars.TENSORBOARD_DIR=$TENSORBOARD_DIR"
   "$@"
 )
 set +e  # keep going after a failed run: the summary of the steps that did run still prints

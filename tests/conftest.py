@@ -210,3 +210,20 @@ def recording_client(verl_server):
     """A fresh :class:`spo_verl.tools.testing.verl_server.RecordingClient` around a new verl ``LLMServerClient``: calls go
     through to verl's server; ``.calls`` records this test's calls."""
     return verl_server.recording_client()
+
+
+@pytest.fixture
+def compose_setting():
+    """``compose_setting(setting, algorithm, *overrides)``: the recipe's configuration as the launcher composes
+    it, unresolved (a CPU setting gets stand-ins for its builder's data files)."""
+    from hydra import compose, initialize_config_dir
+
+    config_dir = str(Path(__file__).resolve().parents[1] / "recipe" / "spo" / "config")
+
+    def composed(setting: str, algorithm: str, *overrides: str):
+        built = ["data.train_files=t.parquet", "data.val_files=v.parquet"] if setting.startswith("cpu-") else []
+        with initialize_config_dir(config_dir=config_dir, version_base=None):
+            return compose(config_name="spo_trainer",
+                           overrides=[f"setting={setting}", f"spo_algorithm={algorithm}", *built, *overrides])
+
+    return composed

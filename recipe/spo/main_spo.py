@@ -26,7 +26,9 @@ from verl.trainer.ppo.utils import need_critic, need_reference_policy
 from verl.utils.config import validate_config
 from verl.utils.device import auto_set_device
 
+from recipe.spo.driver_config import prepare_for_ray
 from recipe.spo.launch_checks import check_launch, gpu_problem, needs_gpu
+from recipe.spo.resume_guard import record_configuration, resume_problem
 from spo_verl.adapters.trainer.runners import run_with_one_restart, task_runner_for
 from spo_verl.adapters.trainer.validation import validate_spo_run
 
@@ -104,18 +106,28 @@ def main(config):
     if CHECK_ONLY:
         report_check(config, found, gpu, setting)
         return
+    record_configuration(config)
     run_with_one_restart(run_ppo, config, task_runner_for(config))
 
 
 def checks_before_ray(config, setting: str, require_gpu: bool) -> tuple[list[str], str | None]:
-    """Everything checked before Ray, in the order a launch needs it: the configuration, a GPU (the first
-    thing a launch needs; ``--check`` reports it instead), then the model, data and attention kernel.
-    Returns what the launch checks found and why there is no usable GPU (None: there is, or none is needed)."""
+    """Everything checked before Ray, in the order a launch needs it: the configuration (then resolved
+    here, for every node: ``driver_config.py``), a GPU (the first thing a launch needs; ``--check`` reports
+    it instead), the model, data and attention kernel, then the checkpoint it would resume
+    (``resume_guard.py``). Returns what the checks found and why there is no usable GPU (None: there is,
+    or none is needed)."""
     validate_or_exit(config)
+    for note in prepare_for_ray(config):
+        print(f"spo: {note}", flush=True)
     gpu = gpu_problem(config, setting)
     if gpu is not None and require_gpu:
         refuse(ValueError(gpu))
-    return launch_checks_or_exit(config), gpu
+    found = launch_checks_or_exit(config)
+    refusal, resuming = resume_problem(config)
+    if refusal is not None:
+        refuse(ValueError(refusal))
+    print(f"spo: checkpoints: {config.trainer.default_local_dir}: {resuming}", flush=True)
+    return [*found, f"checkpoints: {resuming}"], gpu
 
 
 def take_check_flag(argv: list[str]) -> bool:
