@@ -1,5 +1,6 @@
 """Registers SPO in verl: estimators ``spo_chain`` and ``spo_tree``, loss ``spo_prob_mask`` and the
-``spo_chain``, ``spo_tree`` and ``spo_episode`` (multi-turn episodes for verl's own estimators) agent loops.
+``spo_chain``, ``spo_tree`` and ``spo_episode`` (multi-turn episodes for verl's own estimators) agent loops,
+and the setting's stop strings (``rollout.custom.stop``) on verl's vLLM server.
 
 Loaded in every process that imports verl through the ``verl.plugins`` entry point, or through
 ``VERL_USE_EXTERNAL_MODULES=spo_verl.register`` / ``actor_rollout_ref.model.external_lib=spo_verl.register``.
@@ -11,5 +12,7 @@ from spo_verl.adapters import cpu_platform
 if cpu_platform.selected():  # VERL_PLATFORM=spo_cpu: verl on a machine without an accelerator
     cpu_platform.activate()
 
-from spo_verl.adapters import estimators, policy_loss  # noqa: E402, F401  (registration happens on import)
+from spo_verl.adapters import estimators, policy_loss, stop_strings  # noqa: E402, F401  (registration happens on import)
 from spo_verl.adapters.agent_loops import chain_agent_loop, episode_agent_loop, tree_agent_loop  # noqa: E402, F401
+
+stop_strings.install()  # the setting's rollout.custom.stop on verl's vLLM server

@@ -443,3 +443,33 @@ async def test_chain_loop_cutpoints_truncation_flag_and_reference_reward(llm_cli
         chain = meta["chain"]
         assert 0 <= chain["mc_truncated"] <= chain["mc_continuations"] and chain["cutpoint_requests"] >= 0
         assert all(v in (-2.0, -1.0, -0.5, 0.0, 0.5, 1.0) for v in meta["boundary_values"])  # means of 2 scores in {-2, 0, 1}
+
+
+def test_the_reward_scores_the_text_before_the_rollouts_stop_string():
+    """RhoMath writes the next problem after its answer; the rollout stops at "\\n\\n\\nProblem:", whose tokens
+    end the response verl decodes. The reference scores the text before it (else its second #### is -2)."""
+    from spo_verl.adapters.rewards import before_stop_string
+
+    stop = ["\n\n\nProblem:"]
+    text = "3 + 4 = 7.\n#### 7\n\n\nProblem:"
+    assert before_stop_string(text, stop) == "3 + 4 = 7.\n#### 7"
+    assert compute_score("openai/gsm8k", text, "7", stop=stop) == {"score": 1.0, "acc": 1.0}
+    assert compute_score("openai/gsm8k", text, "7") == {"score": 0.0, "acc": 0.0}
+    rambling = text + " What is 2 + 2?\n#### 4"
+    assert compute_score("openai/gsm8k", rambling, "7") == {"score": -2.0, "acc": 0.0}
+    assert compute_score("openai/gsm8k", rambling, "7", stop=stop) == {"score": 1.0, "acc": 1.0}
+    assert before_stop_string("a|b#c", ["#", "|"]) == "a" and before_stop_string("abc", None) == "abc"
+
+
+def test_stop_strings_come_from_the_setting_and_a_requests_own_win():
+    from omegaconf import OmegaConf
+
+    from spo_verl.adapters.stop_strings import stop_strings, with_stop_strings
+
+    rollout = OmegaConf.create({"custom": {"stop": ["\n\n\nProblem:"]}})
+    assert with_stop_strings({"temperature": 1.0}, rollout) == {"temperature": 1.0, "stop": ["\n\n\nProblem:"]}
+    assert with_stop_strings({"stop": []}, rollout) == {"stop": []}
+    assert with_stop_strings({"temperature": 1.0}, OmegaConf.create({"custom": None})) == {"temperature": 1.0}
+    assert stop_strings(None) == []
+    with pytest.raises(ValueError, match="rollout.custom.stop must be a list of non-empty strings"):
+        stop_strings(OmegaConf.create({"custom": {"stop": "\n\n\nProblem:"}}))

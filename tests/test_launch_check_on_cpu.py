@@ -9,6 +9,7 @@ at a tiny local model and at problems written by ``scripts/prepare_data.sh``, si
 """
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -79,11 +80,35 @@ def test_every_cluster_setting_passes_the_check_with_every_algorithm(setting, ti
             continue
         found, gpu = checks_before_ray(config, setting, require_gpu=False)
         assert f"actor_rollout_ref.model.path={tiny_model[0]}: model and tokenizer load" in found, algorithm
-        assert f"data.train_files: {data_dir}/{'math' if setting.startswith('math') else 'gsm8k'}/train.parquet: 64 rows" in found
+        train = f"data.train_files: {data_dir}/{'math' if setting.startswith('math') else 'gsm8k'}/train.parquet: 64 rows"
+        [counted] = [line for line in found if line.startswith(train)]
+        limit = config.data.max_prompt_length
+        dropped = re.fullmatch(rf", (\d+) longer than data.max_prompt_length={limit} \(verl's overlong-prompt filter "
+                               r"drops them\)", counted[len(train):])
+        assert dropped and int(dropped.group(1)) < 64, counted
         # This Python's torch is a CPU build: the GPU and flash-attn are reported, not required.
         [attention] = [line for line in found if line.startswith("attention:")]
         assert "flash_attention_2; flash-attn not checked" in attention and FLASH_ATTN_INSTALL in attention
         assert gpu.startswith(f"SETTING={setting} trains on GPUs") and "CPU-only build" in gpu
+
+
+def test_data_whose_every_prompt_is_too_long_is_refused_naming_the_shortest(tiny_model, data_dir, monkeypatch, capsys):
+    """verl's overlong-prompt filter would leave an empty dataset: refused before Ray, with the numbers."""
+    from hydra import compose, initialize_config_dir
+
+    from recipe.spo.main_spo import checks_before_ray
+
+    monkeypatch.setenv("DATA_DIR", str(data_dir))
+    with initialize_config_dir(config_dir=str(REPO / "recipe" / "spo" / "config"), version_base=None):
+        config = compose(config_name="spo_trainer", overrides=["setting=math-r1-1.5b", "spo_algorithm=grpo",
+                                                               f"actor_rollout_ref.model.path={tiny_model[0]}",
+                                                               "data.max_prompt_length=8"])
+    with pytest.raises(SystemExit):
+        checks_before_ray(config, "math-r1-1.5b", require_gpu=False)
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.fullmatch(rf"spo: data.train_files: {data_dir}/math/train.parquet: every prompt is longer than "
+                        r"data.max_prompt_length=8 tokens \(the shortest has \d+\): verl's overlong-prompt filter "
+                        r"would leave no data", line), line
 
 
 @pytest.mark.parametrize("script", sorted(CLUSTER_SCRIPTS))

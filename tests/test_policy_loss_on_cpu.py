@@ -87,6 +87,25 @@ def test_direct_call_matches_worked_example():
     assert all(isinstance(v, float) for v in metrics.values())
 
 
+def test_without_a_threshold_the_reference_loss_covers_every_response_token():
+    """``prob_mask.threshold: null``: the SPO reference's GRPO baseline, its loss otherwise SPO's. The 5
+    response tokens' advantages [0.1, 0.1, 0.1, 0.3, 0.3] whiten (mean 0.18, unbiased variance 0.012) to
+    -0.730296 and 1.095445; PPO-clip at ratios exp([0.3, -0.1, 0.05, -0.4, 0.25]) averages to 0.0731008."""
+    config = actor_config(spo={"prob_mask": {"threshold": None}})
+    log_prob = LOG_PROB.clone().requires_grad_(True)
+    loss, metrics = get_policy_loss_fn("spo_prob_mask")(OLD_LOG_PROB, log_prob, ADVANTAGES, RESPONSE_MASK.bool(),
+                                                         "token-mean", config, None)
+    assert loss.item() == pytest.approx(0.0731008, abs=1e-6)
+    assert metrics["spo/prob_mask/masked_fraction"] == 1.0
+    # Small steps (nothing clipped): every response token gets a gradient, the padding none.
+    small = (OLD_LOG_PROB + 0.01).requires_grad_(True)
+    get_policy_loss_fn("spo_prob_mask")(OLD_LOG_PROB, small, ADVANTAGES, RESPONSE_MASK.bool(), "token-mean", config,
+                                        None)[0].backward()
+    assert (small.grad[RESPONSE_MASK.bool()] != 0).all() and (small.grad[~RESPONSE_MASK.bool()] == 0).all()
+    with pytest.raises(SPOConfigError, match=r"prob_mask.threshold.*a number in \(0, 1\], or null"):
+        actor_config(spo={"prob_mask": {"threshold": 1.5}})
+
+
 def test_only_masked_tokens_get_gradient():
     # Small steps, so no token is clipped and every masked-in token must get a gradient.
     log_prob = (OLD_LOG_PROB + 0.01).requires_grad_(True)

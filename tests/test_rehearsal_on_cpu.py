@@ -68,6 +68,9 @@ def test_what_the_rehearsal_keeps_of_the_setting(setting):
             assert kept not in changes, (algorithm, kept)
         data = shipped.data
         assert changes["data.max_prompt_length"].value == -(-data.max_prompt_length // LENGTH_FACTOR)
+        # Not below the rehearsal's own longest prompt: the limit is a filter on the real tokenizer's count.
+        floor = substitutions(shipped, MODEL, longest_prompt=data.max_prompt_length // 2)
+        assert {change.key: change for change in floor}["data.max_prompt_length"].value == data.max_prompt_length // 2
         assert changes["data.max_response_length"].value == -(-data.max_response_length // LENGTH_FACTOR)
         assert changes["data.train_batch_size"].value * BATCH_FACTOR == data.train_batch_size
         steps_per_iteration = data.train_batch_size // shipped.actor_rollout_ref.actor.ppo_mini_batch_size

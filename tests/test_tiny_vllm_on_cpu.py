@@ -186,3 +186,42 @@ async def test_concurrent_calls_and_recording(recording_client, verl_server, tin
         assert c["token_ids"] == o.token_ids and c["log_probs"] == o.log_probs and c["stop_reason"] == o.stop_reason
         assert o.extra_fields["global_steps"] == global_steps
         assert o.extra_fields["min_global_steps"] == o.extra_fields["max_global_steps"] == global_steps
+
+
+async def _set_stop_strings(verl_server, stop):
+    """Set ``rollout.custom.stop`` in the running server's own configuration (what the setting sets)."""
+    (handle,) = verl_server.manager.server_handles
+
+    def set_custom(actor):
+        object.__setattr__(actor.config, "custom", None if stop is None else {"stop": stop})
+
+    await handle.__ray_call__.remote(set_custom)
+
+
+async def test_the_settings_stop_strings_end_every_request_and_the_reward_reads_what_comes_before(
+        llm_client, verl_server, tiny_model):
+    """``rollout.custom.stop`` (spo_verl/adapters/stop_strings.py) on verl's own server: the same seeded
+    request stops at the first stop string, its token ids (what verl trains and decodes) a prefix of the
+    unstopped ones ending with the stop string; a request naming its own ``stop`` keeps it; the reward
+    scores the text before the stop string."""
+    from spo_verl.adapters.rewards import before_stop_string
+
+    _, tok = tiny_model
+    prompt = _prompt(tok, "What is 12+7?")
+    params = {"temperature": 1.0, "max_tokens": 40, "ignore_eos": True, "seed": 11}
+    free = (await llm_client.generate("stop-free", prompt_ids=prompt, sampling_params=dict(params))).token_ids
+    text = tok.decode(free)
+    stop = tok.decode(free[20:22])
+    assert stop and text.find(stop) > 0, (text, stop)
+    await _set_stop_strings(verl_server, [stop])
+    try:
+        stopped = (await llm_client.generate("stop-set", prompt_ids=prompt, sampling_params=dict(params))).token_ids
+        own = (await llm_client.generate("stop-own", prompt_ids=prompt, sampling_params={**params, "stop": []})).token_ids
+    finally:
+        await _set_stop_strings(verl_server, None)
+    assert len(stopped) < len(free) and stopped == free[: len(stopped)]
+    stopped_text = tok.decode(stopped)
+    # It stopped at the token that completed the stop string.
+    assert stop in stopped_text and stop not in tok.decode(stopped[:-1])
+    assert before_stop_string(stopped_text, [stop]) == text[: text.find(stop)]
+    assert own == free

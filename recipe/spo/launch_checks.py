@@ -142,8 +142,47 @@ def check_data_files(config: Any) -> list[str]:
             if prompt_key not in schema.names:
                 raise ValueError(f"{key}: {file} has no column data.prompt_key={prompt_key} (its columns: "
                                  f"{sorted(schema.names)})")
-            report.append(f"{key}: {file}: {rows} rows")
+            report.append(f"{key}: {file}: {rows} rows" + overlong_prompts(config, key, path, rows))
     return report
+
+
+def prompt_tokenizer(config: Any):
+    """The tokenizer verl's dataset renders prompts with (the model's, with the setting's template), or None
+    where it is not on this machine (a hub model not cached)."""
+    from verl.utils import hf_tokenizer
+
+    model = config.actor_rollout_ref.model
+    path = str(model.get("tokenizer_path", None) or model.path)
+    if "://" in path or not Path(path).expanduser().is_dir():
+        return None
+    tokenizer = hf_tokenizer(str(Path(path).expanduser()))
+    template = model.get("custom_chat_template", None)
+    if template is not None:
+        tokenizer.chat_template = template
+    return tokenizer
+
+
+def overlong_prompts(config: Any, key: str, path: Path, rows: int) -> str:
+    """How many of a file's prompts verl's overlong-prompt filter drops (``data.filter_overlong_prompts``:
+    rendered longer than ``data.max_prompt_length``), as a clause of the file's report line; refused when
+    it would drop every row (verl would then start on an empty dataset)."""
+    data = config.data
+    if not data.get("filter_overlong_prompts", False):
+        return ""
+    tokenizer = prompt_tokenizer(config)
+    if tokenizer is None:
+        return "; prompt lengths not counted (the tokenizer is not on this machine)"
+    import pyarrow.parquet as pq
+
+    limit = data.max_prompt_length
+    prompts = pq.read_table(path, columns=[data.get("prompt_key", "prompt")]).column(0).to_pylist()
+    lengths = [len(tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False)) for messages in prompts]
+    dropped = sum(length > limit for length in lengths)
+    if dropped == rows:
+        raise ValueError(f"{key}: {path}: every prompt is longer than data.max_prompt_length={limit} tokens (the "
+                         f"shortest has {min(lengths)}): verl's overlong-prompt filter would leave no data")
+    return f", {dropped} longer than data.max_prompt_length={limit} (verl's overlong-prompt filter drops them)"
 
 
 # --- attention ----------------------------------------------------------------------------------------

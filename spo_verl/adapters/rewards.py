@@ -14,11 +14,13 @@ compared to the ground truth with commas removed and case ignored, as the refere
 MATH-style sources (verl's MATH keys and ``aime*``): the answer is the last ``\\boxed{}``, compared with
 verl's MATH equivalence (``verl.utils.reward_score.math_reward.is_equiv``), not the reference's own MATH
 grader. The result is ``{"score", "acc"}``: verl logs ``acc`` (1 for a correct answer) as the
-validation accuracy, so a -2 penalty does not count as a negative accuracy.
+validation accuracy, so a -2 penalty does not count as a negative accuracy. With the rollout's stop
+strings (``stop``), only the text before the first of them is scored.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from verl.utils.reward_score.math_reward import is_equiv, last_boxed_only_string, remove_boxed
@@ -47,9 +49,18 @@ def _math_correct(solution_str: str, ground_truth: str) -> bool:
     return is_equiv(answer, str(ground_truth))
 
 
+def before_stop_string(text: str, stop: Sequence[str] | None) -> str:
+    """``text`` up to the first of the stop strings in it (the rollout's token ids, which verl decodes,
+    end with the stop string's tokens; the reference scores the text before it)."""
+    cuts = [text.find(marker) for marker in (stop or ()) if marker and marker in text]
+    return text[: min(cuts)] if cuts else text
+
+
 def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None,
-                  **kwargs) -> dict[str, float]:
-    """verl's custom reward signature; see the module docstring for the rule."""
+                  stop: Sequence[str] | None = None, **kwargs) -> dict[str, float]:
+    """verl's custom reward signature; see the module docstring for the rule. ``stop``: the rollout's
+    stop strings (the settings pass ``rollout.custom.stop`` through ``custom_reward_function.reward_kwargs``)."""
+    solution_str = before_stop_string(solution_str, stop)
     if data_source in GSM8K_SOURCES:
         correct = _gsm8k_correct
     elif data_source in MATH_SOURCES or str(data_source).startswith("aime"):

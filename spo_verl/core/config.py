@@ -82,6 +82,15 @@ def _optional_positive_int(key: str, value: Any) -> int | None:
     return None if value is None else check_positive_int(key, value)
 
 
+def _optional_probability(key: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    try:
+        return check_probability(key, value)
+    except ValueError:
+        raise _fail(key, "a number in (0, 1], or null", value) from None
+
+
 def _int_or_int_list(key: str, value: Any) -> tuple[int, ...]:
     if isinstance(value, int) and not isinstance(value, bool):
         return (check_positive_int(key, value),)
@@ -109,7 +118,7 @@ class ProbMaskSettings:
       the step shrinks with the masked-in fraction.
     """
 
-    threshold: float = setting(0.9, check_probability)
+    threshold: float | None = setting(0.9, _optional_probability)
     normalization: str = setting("reference", _choice(LOSS_NORMALIZATIONS))
 
 

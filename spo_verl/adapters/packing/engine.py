@@ -69,7 +69,7 @@ class PackedTrainingSettings:
     chunk_tokens: int = _SPO_DEFAULTS.packed_chunk_tokens
     check_updates: int = 0
     max_token_ratio: float = _SPO_DEFAULTS.packed_max_token_ratio
-    prob_mask_threshold: float = _SPO_DEFAULTS.prob_mask.threshold
+    prob_mask_threshold: float | None = _SPO_DEFAULTS.prob_mask.threshold
 
     @classmethod
     def from_spo(cls, settings: SPOSettings) -> PackedTrainingSettings:
@@ -217,6 +217,7 @@ class PackedEngineMixin:
         if not mask.any():
             return {}
         threshold = self.spo_packing.prob_mask_threshold
+        threshold = float("inf") if threshold is None else threshold  # no mask: no token can flip
         actor_p, old_p = actor.exp()[mask], old.exp()[mask]
         return {
             "spo/old_log_probs/probs_diff_max": Metric("max", float((actor_p - old_p).abs().max())),

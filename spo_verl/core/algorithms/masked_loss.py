@@ -14,12 +14,17 @@ WHITEN_EPS = 1e-8
 RATIO_SKIP_THRESHOLD = 10.0
 
 
-def probability_mask(old_log_probs: torch.Tensor, response_mask: torch.Tensor, threshold: float = 0.9) -> torch.Tensor:
+def probability_mask(old_log_probs: torch.Tensor, response_mask: torch.Tensor,
+                     threshold: float | None = 0.9) -> torch.Tensor:
     """``response_mask AND p_old < threshold``: the tokens where the sampling policy could have branched.
+    ``threshold=None``: no probability mask, every response token (the reference's GRPO, whose loss is
+    otherwise SPO's).
 
     ``old_log_probs`` must come from temperature-scaled logits as verl's actor recomputes
     them (it divides the logits by the rollout temperature).
     """
+    if threshold is None:
+        return response_mask.bool()
     check_probability("probability mask threshold", threshold)
     return response_mask.bool() & (old_log_probs.exp() < threshold)
 

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from spo_verl.tools import REPO
-from spo_verl.tools.rehearsal.build import FAMILIES, build
+from spo_verl.tools.rehearsal.build import FAMILIES, build, longest_prompt
 from spo_verl.tools.rehearsal.substitutions import DERIVED, substitutions
 
 RECIPE_CONFIG = REPO / "recipe" / "spo" / "config"
@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     shipped = compose_shipped(args.setting, args.algorithm)
     template = shipped.actor_rollout_ref.model.get("custom_chat_template", None)
     built = build(args.setting, template, Path(args.output_dir))
-    changes = substitutions(shipped, built["model"])
+    changes = substitutions(shipped, built["model"], longest_prompt(built["model"], built["data_dir"], template,
+                                                                     shipped.data.prompt_key))
     print(f"rehearsal: {args.setting} / {args.algorithm} as shipped, but for:", file=sys.stderr)
     for change in changes:
         print(f"rehearsal:   {change.override():<70} {change.reason}", file=sys.stderr)

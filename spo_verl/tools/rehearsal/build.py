@@ -170,6 +170,22 @@ def fine_tune(folder: Path, family: Family, template: str, steps: int = FINE_TUN
     model.save_pretrained(str(folder), safe_serialization=True)
 
 
+def longest_prompt(model: str | Path, data_dir: str | Path, template: str | None, prompt_key: str) -> int:
+    """The most tokens of any prompt in ``data_dir``'s parquet files as verl renders it (the row's
+    ``prompt_key`` column in the setting's template, with the generation prompt, the model's tokenizer)."""
+    import pandas as pd
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    longest = 0
+    for path in sorted(Path(data_dir).glob("*/*.parquet")):
+        for messages in pd.read_parquet(path)[prompt_key]:
+            ids = tokenizer.apply_chat_template(list(messages), chat_template=template, add_generation_prompt=True,
+                                                tokenize=True, return_dict=False)
+            longest = max(longest, len(ids))
+    return longest
+
+
 def build(setting: str, template: str, output_dir: Path) -> dict[str, str]:
     """The model folder and the data folder (``DATA_DIR``) for ``setting``, reused while VERSION and the
     template are unchanged."""

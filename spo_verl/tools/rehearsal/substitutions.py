@@ -74,8 +74,10 @@ def is_interpolation(config: Any, key: str) -> bool:
     return OmegaConf.is_interpolation(OmegaConf.select(config, parent) if parent else config, name)
 
 
-def substitutions(shipped: Any, model: str) -> list[Substitution]:
-    """The changes to ``shipped`` (the setting and algorithm as composed, unresolved) for this machine."""
+def substitutions(shipped: Any, model: str, longest_prompt: int = 0) -> list[Substitution]:
+    """The changes to ``shipped`` (the setting and algorithm as composed, unresolved) for this machine.
+    ``longest_prompt``: the rehearsal's longest rendered prompt in its own tokenizer's tokens; the prompt
+    limit is not scaled below it, since the setting's limit filters prompts by the real model's count."""
     found: list[Substitution] = []
 
     def change(key: str, value: Any, reason: str) -> None:
@@ -108,7 +110,12 @@ def substitutions(shipped: Any, model: str) -> list[Substitution]:
     for key in LENGTH_KEYS:  # those the setting writes out; an interpolation follows what it reads
         value = OmegaConf.select(shipped, key, default=None)
         value = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
-        if value is not None and not is_interpolation(shipped, key):
+        if value is None or is_interpolation(shipped, key):
+            continue
+        if key == "data.max_prompt_length" and scaled_length(value) < longest_prompt:
+            change(key, longest_prompt, f"lengths divided by {LENGTH_FACTOR}, but not below the rehearsal's longest "
+                   f"prompt ({longest_prompt} tokens): the setting's limit filters by the real model's tokens")
+        else:
             change(key, scaled_length(value), f"lengths divided by {LENGTH_FACTOR}")
     for key in BATCH_KEYS:
         value = OmegaConf.select(shipped, key)
