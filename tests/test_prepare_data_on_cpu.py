@@ -7,6 +7,7 @@ data_source/ground_truth pair is graded by verl's own default_compute_score.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 from pathlib import Path
@@ -149,7 +150,7 @@ def test_all_datasets_exact_rows(raw_dir, tmp_path, capsys, agent_name):
 def test_prompt_and_ground_truth_text(raw_dir, tmp_path):
     out = tmp_path / "out"
     assert main(["--input-dir", str(raw_dir), "--output-dir", str(out), "--datasets", "math,gsm8k"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["gsm8k", "math"]
+    assert sorted(p.name for p in out.iterdir()) == ["gsm8k", "math", "sources.json"]
     math_row = _read(out / "math" / "train.parquet")[1]
     assert math_row["prompt"][0]["content"] == (
         "Simplify $\\frac{2}{4}$. Let's think step by step and output the final answer within \\boxed{}."
@@ -282,13 +283,15 @@ def test_hub_loading_uses_ids_configs_and_splits(tmp_path, monkeypatch):
     raw = {("openai/gsm8k", "main", "train"): GSM8K_TRAIN, ("openai/gsm8k", "main", "test"): GSM8K_TEST,
            ("HuggingFaceH4/aime_2024", None, "train"): AIME_TRAIN}
 
-    def fake_load_dataset(path, name=None, split=None, **kwargs):
+    def fake_load_dataset(path, name=None, split=None, revision=None):
         calls.append((path, name, split))
+        assert revision == f"commit-of-{path}"  # every split of a data set from the one resolved commit
         if path == prepare.HENDRYCKS_MATH_ID:
             return [MATH_TRAIN[0]]
         return raw[(path, name, split)]
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    monkeypatch.setattr(prepare, "resolve_hub_revision", lambda hub_id, revision: f"commit-of-{hub_id.partition(':')[0]}")
     out = tmp_path / "out"
     assert main(["--output-dir", str(out), "--datasets", "gsm8k,aime24,math",
                  "--math-id", prepare.HENDRYCKS_MATH_ID, "--agent-name", "single_turn_agent"]) == 0
@@ -309,3 +312,51 @@ def test_shell_wrapper_help():
     assert "--agent-name" in result.stdout and "single_turn_agent" in result.stdout
     for name in prepare.DATASET_NAMES:
         assert name in result.stdout
+
+
+def test_the_sources_record_names_each_input_and_what_was_dropped(raw_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["--input-dir", str(raw_dir), "--output-dir", str(out), "--datasets", "gsm8k"]) == 0
+    sources = json.loads((out / "sources.json").read_text())
+    train = raw_dir / "gsm8k" / "train.jsonl"
+    assert sources["gsm8k"]["hub_id"] is None
+    assert sources["gsm8k"]["splits"]["train"] == {
+        "file": str(train), "digest": "sha256:" + hashlib.sha256(train.read_bytes()).hexdigest(),
+        "records": len(GSM8K_TRAIN), "rows": len(GSM8K_TRAIN), "dropped": 0}
+    assert f"{len(GSM8K_TRAIN)} rows from {train} -> " in capsys.readouterr().out
+    # A later run for another data set keeps what the record said of the first.
+    assert main(["--input-dir", str(raw_dir), "--output-dir", str(out), "--datasets", "math"]) == 0
+    assert set(json.loads((out / "sources.json").read_text())) == {"gsm8k", "math"}
+
+
+def test_hub_data_sets_are_taken_at_one_recorded_commit_and_can_be_taken_there_again(tmp_path, monkeypatch):
+    """No hub here: the two hub calls are replaced, and what they are asked is checked."""
+    asked = []
+
+    def resolve(hub_id, revision):
+        asked.append(("resolve", hub_id, revision))
+        return revision if revision and len(revision) == 40 else "c" * 40
+
+    def load(hub_id, hub_split, revision=None):
+        asked.append(("load", hub_id, hub_split, revision))
+        return GSM8K_TRAIN if hub_split == "train" else GSM8K_TEST
+
+    monkeypatch.setattr(prepare, "resolve_hub_revision", resolve)
+    monkeypatch.setattr(prepare, "load_hub_records", load)
+    out = tmp_path / "out"
+    assert main(["--output-dir", str(out), "--datasets", "gsm8k"]) == 0
+    assert asked == [("resolve", "openai/gsm8k:main", None), ("load", "openai/gsm8k:main", "train", "c" * 40),
+                     ("load", "openai/gsm8k:main", "test", "c" * 40)]
+    record = out / "sources.json"
+    assert json.loads(record.read_text())["gsm8k"]["revision"] == "c" * 40
+    asked.clear()
+    (out / "sources.json").write_text(json.dumps({"gsm8k": {"hub_id": "openai/gsm8k:main", "revision": "a" * 40}}))
+    assert main(["--output-dir", str(tmp_path / "again"), "--datasets", "gsm8k", "--revisions-from", str(record)]) == 0
+    assert asked[0] == ("resolve", "openai/gsm8k:main", "a" * 40) and asked[1][-1] == "a" * 40
+    asked.clear()
+    assert main(["--output-dir", str(tmp_path / "third"), "--datasets", "gsm8k", "--revisions-from", str(record),
+                 "--gsm8k-revision", "b" * 40]) == 0
+    assert asked[0] == ("resolve", "openai/gsm8k:main", "b" * 40)
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    assert main(["--output-dir", str(tmp_path / "x"), "--revisions-from", str(bad)]) == 1

@@ -39,6 +39,7 @@ GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after
 VALIDATION_SPLIT = "test"  # rows of this split are validation rows (they get --agent-name)
 LOCAL_EXTENSIONS = ("parquet", "jsonl", "json")
 DEFAULT_OUTPUT_DIR = "~/data/spo"
+SOURCES_FILE = "sources.json"  # beside the data: each data set's hub commit (or input file digest) and row counts
 
 # EleutherAI/hendrycks_math has one config per subject; without an explicit ":CONFIG" all are loaded.
 HENDRYCKS_MATH_ID = "EleutherAI/hendrycks_math"
@@ -335,8 +336,17 @@ def read_local_records(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-def load_hub_records(hub_id: str, hub_split: str) -> list[dict[str, Any]]:
-    """Records of ``ID`` or ``ID:CONFIG`` from the Hugging Face hub via ``datasets.load_dataset``."""
+def resolve_hub_revision(hub_id: str, revision: str | None) -> str:
+    """The commit of the hub dataset that ``revision`` (a branch, tag or commit; None: the default branch)
+    names now: what ``load_dataset`` is then given, so every split of a data set comes from one commit."""
+    from huggingface_hub import HfApi
+
+    repo = hub_id.partition(":")[0]
+    return HfApi().dataset_info(repo, revision=revision).sha
+
+
+def load_hub_records(hub_id: str, hub_split: str, revision: str | None = None) -> list[dict[str, Any]]:
+    """Records of ``ID`` or ``ID:CONFIG`` at ``revision`` from the Hugging Face hub via ``datasets.load_dataset``."""
     import datasets
 
     repo, _, config = hub_id.partition(":")
@@ -345,8 +355,24 @@ def load_hub_records(hub_id: str, hub_split: str) -> list[dict[str, Any]]:
         configs = HENDRYCKS_MATH_SUBJECTS
     records: list[dict[str, Any]] = []
     for cfg in configs:
-        records.extend(dict(record) for record in datasets.load_dataset(repo, cfg, split=hub_split))
+        records.extend(dict(record) for record in datasets.load_dataset(repo, cfg, split=hub_split, revision=revision))
     return records
+
+
+def file_digest(path: Path) -> str:
+    """A local input's identity in the sources record: its SHA-256."""
+    import hashlib
+
+    return "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def read_pinned_revisions(path: Path) -> dict[str, str]:
+    """The hub revision of each data set in a sources record this command wrote (``--revisions-from``)."""
+    try:
+        sources = json.loads(path.read_text())
+        return {name: entry["revision"] for name, entry in sources.items() if entry.get("hub_id")}
+    except (OSError, ValueError, KeyError, AttributeError) as err:
+        raise PrepareDataError(f"--revisions-from {path}: not a sources record of prepare_data ({err})") from err
 
 
 def write_rows(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
@@ -403,12 +429,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--input-dir", default=None,
                         help="read raw local copies from DIR/<name>/<split>.{parquet,jsonl,json} "
                              "instead of the Hugging Face hub")
+    parser.add_argument("--revisions-from", default=None, metavar="SOURCES_JSON",
+                        help=f"take each hub data set at the commit a {SOURCES_FILE} written before names "
+                             "(reproduces that data exactly); --<name>-revision wins over it")
     parser.add_argument("--agent-name", default=None,
                         help="agent_name column value for validation (test split) rows, e.g. "
                              "single_turn_agent; omitted by default (see below)")
     for spec in DATASETS.values():
         parser.add_argument(f"--{spec.name}-id", dest=f"{spec.name}_id", default=spec.hub_id, metavar="ID",
                             help=f"hub dataset for {spec.name}, ID or ID:CONFIG (default: {spec.hub_id})")
+        parser.add_argument(f"--{spec.name}-revision", dest=f"{spec.name}_revision", default=None, metavar="REV",
+                            help=f"branch, tag or commit of {spec.name}'s hub dataset (default: its default branch, "
+                                 f"resolved to a commit and recorded in {SOURCES_FILE})")
     return parser
 
 
@@ -424,31 +456,53 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     output_dir = Path(args.output_dir).expanduser()
     try:
+        pinned = read_pinned_revisions(Path(args.revisions_from)) if args.revisions_from else {}
         # Resolve every input before loading any, and convert everything before writing anything,
         # so a missing file or a bad record leaves no partial output behind.
         jobs = []
+        sources: dict[str, dict[str, Any]] = {}
         for name in names:
             spec = DATASETS[name]
+            if args.input_dir is None:
+                hub_id = getattr(args, f"{name}_id")
+                revision = resolve_hub_revision(hub_id, getattr(args, f"{name}_revision") or pinned.get(name))
+                sources[name] = {"hub_id": hub_id, "revision": revision, "splits": {}}
+            else:
+                sources[name] = {"hub_id": None, "splits": {}}
             for split in spec.splits:
                 if args.input_dir is not None:
                     source: Path | str = find_local_file(Path(args.input_dir).expanduser(), name, split)
                 else:
-                    source = getattr(args, f"{name}_id")
+                    source = sources[name]["hub_id"]
                 jobs.append((spec, split, source))
         outputs = []
         for spec, split, source in jobs:
             if isinstance(source, Path):
                 records = read_local_records(source)
+                origin = {"file": str(source), "digest": file_digest(source)}
             else:
-                records = load_hub_records(source, split.hub_split)
+                revision = sources[spec.name]["revision"]
+                records = load_hub_records(source, split.hub_split, revision)
+                origin = {"hub_split": split.hub_split}
             rows = convert_records(spec.name, records, split.split, args.agent_name)
+            # Every record becomes a row (a malformed one stops the command): nothing is filtered here.
+            # verl drops prompts longer than data.max_prompt_length when it loads the rows; `--check`
+            # counts them before a run.
+            sources[spec.name]["splits"][split.split] = {**origin, "records": len(records), "rows": len(rows),
+                                                         "dropped": len(records) - len(rows)}
             outputs.append((spec, output_dir / spec.name / f"{split.split}.parquet", rows, source))
     except PrepareDataError as err:
         print(f"prepare_data: error: {err}", file=sys.stderr)
         return 1
     for spec, path, rows, source in outputs:
         write_rows(rows, path)
-        print(f"prepare_data: {len(rows)} rows from {source} -> {path} (data_source={spec.data_source!r})")
+        at = f"@{sources[spec.name]['revision']}" if isinstance(source, str) else ""
+        print(f"prepare_data: {len(rows)} rows from {source}{at} -> {path} (data_source={spec.data_source!r}; "
+              f"{sources[spec.name]['splits'][path.stem]['dropped']} records dropped)")
+    record = output_dir / SOURCES_FILE
+    previous = json.loads(record.read_text()) if record.is_file() else {}
+    record.write_text(json.dumps({**previous, **sources}, indent=1, sort_keys=True) + "\n")
+    print(f"prepare_data: sources and revisions -> {record} (--revisions-from {record} takes the same commits again)")
     return 0
 
 
