@@ -46,6 +46,23 @@ def data_dir(tmp_path_factory):
     return folder / "spo"
 
 
+@pytest.fixture(scope="module")
+def setting_models(tmp_path_factory):
+    """A model folder per cluster setting in its architecture, its tokenizer trained with the setting's
+    prompt template (the rehearsal's, without its fine-tune): the setting's prompts render at a length like
+    the real tokenizer's, so verl's overlong-prompt filter keeps them as it would."""
+    from spo_verl.tools.rehearsal.__main__ import compose_shipped
+    from spo_verl.tools.rehearsal.build import FAMILIES, build_model, build_tokenizer
+
+    models = {}
+    for setting in CLUSTER_SETTINGS:
+        folder = tmp_path_factory.mktemp(setting)
+        template = compose_shipped(setting, "grpo").actor_rollout_ref.model.custom_chat_template
+        build_model(folder, FAMILIES[setting], build_tokenizer(folder, FAMILIES[setting], template))
+        models[setting] = str(folder)
+    return models
+
+
 def check(script, *args, **env):
     environment = {key: value for key, value in os.environ.items() if key not in ("SETTING", "ALGORITHM", "PYTHON")}
     environment.update(PYTHON=PYTHON, **env)
@@ -61,7 +78,8 @@ def refusal(result) -> str:
 
 
 @pytest.mark.parametrize("setting", CLUSTER_SETTINGS)
-def test_every_cluster_setting_passes_the_check_with_every_algorithm(setting, tiny_model, data_dir, monkeypatch, capsys):
+def test_every_cluster_setting_passes_the_check_with_every_algorithm(setting, setting_models, data_dir, monkeypatch,
+                                                                    capsys):
     """The entry point's checks in this process, as ``--check`` runs them after composing (the scripts' own
     path, a process each, below): one Python start instead of twelve."""
     from hydra import compose, initialize_config_dir
@@ -72,14 +90,14 @@ def test_every_cluster_setting_passes_the_check_with_every_algorithm(setting, ti
     for algorithm in ALGORITHMS:
         with initialize_config_dir(config_dir=str(REPO / "recipe" / "spo" / "config"), version_base=None):
             config = compose(config_name="spo_trainer", overrides=[f"setting={setting}", f"spo_algorithm={algorithm}",
-                                                                   f"actor_rollout_ref.model.path={tiny_model[0]}"])
+                                                                   f"actor_rollout_ref.model.path={setting_models[setting]}"])
         if TORCH_IS_A_CUDA_BUILD:  # a GPU user's torch (scripts/test_gpu_user_versions.sh), no flash-attn: refused
             with pytest.raises(SystemExit):
                 checks_before_ray(config, setting, require_gpu=False)
             assert capsys.readouterr().err.strip().endswith(f"which this Python does not have: {FLASH_ATTN_INSTALL}")
             continue
         found, gpu = checks_before_ray(config, setting, require_gpu=False)
-        assert f"actor_rollout_ref.model.path={tiny_model[0]}: model and tokenizer load" in found, algorithm
+        assert f"actor_rollout_ref.model.path={setting_models[setting]}: model and tokenizer load" in found, algorithm
         train = f"data.train_files: {data_dir}/{'math' if setting.startswith('math') else 'gsm8k'}/train.parquet: 64 rows"
         [counted] = [line for line in found if line.startswith(train)]
         limit = config.data.max_prompt_length
@@ -112,10 +130,10 @@ def test_data_whose_every_prompt_is_too_long_is_refused_naming_the_shortest(tiny
 
 
 @pytest.mark.parametrize("script", sorted(CLUSTER_SCRIPTS))
-def test_every_cluster_script_passes_the_check_as_documented(script, tiny_model, data_dir):
+def test_every_cluster_script_passes_the_check_as_documented(script, setting_models, data_dir):
     """No SETTING: ``--check`` checks the script's own cluster setting, on a machine without a GPU too."""
     setting, algorithm = CLUSTER_SCRIPTS[script]
-    result = check(script, "--check", MODEL_PATH=tiny_model[0], DATA_DIR=str(data_dir))
+    result = check(script, "--check", MODEL_PATH=setting_models[setting], DATA_DIR=str(data_dir))
     if TORCH_IS_A_CUDA_BUILD:  # as above: flash-attn is missing in a GPU user's environment without it
         assert result.returncode == 2 and FLASH_ATTN_INSTALL in refusal(result)
         return
@@ -123,7 +141,7 @@ def test_every_cluster_script_passes_the_check_as_documented(script, tiny_model,
     out = result.stdout
     assert f"spo: algorithm={algorithm} setting={setting}" in out
     assert f"spo: check passed: setting={setting}" in out
-    assert f"spo: check: actor_rollout_ref.model.path={tiny_model[0]}: model and tokenizer load" in out
+    assert f"spo: check: actor_rollout_ref.model.path={setting_models[setting]}: model and tokenizer load" in out
     assert "spo: check: attention: flash_attention_2; flash-attn not checked" in out and FLASH_ATTN_INSTALL in out
     assert "spo: check: GPU: SETTING=" in out and "CPU-only build" in out
     assert "Started a local Ray instance" not in out + result.stderr

@@ -311,6 +311,9 @@ def test_grpo_differs_from_spo_tree_only_in_the_algorithm_parts():
         "actor_rollout_ref.rollout.agent.default_agent_loop": ("spo_tree", "single_turn_agent"),
         "algorithm.adv_estimator": ("spo_tree", "grpo"),
         "algorithm.spo.tree.branch_at": ("fixed", None),  # the tree's own setting (spo_tree_cutpoint: cutpoint)
+        # The reference's GRPO batch on MATH: 64 prompts x 8 in mini-batches of 128 (docs/FIDELITY.md item 12).
+        "data.train_batch_size": (32, 64),
+        "actor_rollout_ref.actor.ppo_mini_batch_size": (8, 16),
     }
 
 
@@ -380,7 +383,7 @@ def test_the_reward_function_is_found_in_its_source_without_running_it(tmp_path)
         ((tmp_path / "my_rewards.py", "compute_score"), f"{key}.path={tmp_path / 'my_rewards.py'}: no such file"),
         (("pkg://spo_verl.reward", "compute_score"), f"{key}.path=pkg://spo_verl.reward: no module named spo_verl.reward"),
         (("pkg://spo_verl.adapters.rewards", "score"), f"{key}.name=score is not defined in {key}.path=pkg://spo_verl.adapters.rewards; "
-         "its functions: ['_gsm8k_correct', '_math_correct', 'compute_score']"),
+         "its functions: ['_gsm8k_correct', '_math_correct', 'before_stop_string', 'compute_score']"),
         (("pkg://no_such_package.rewards", "compute_score"),
          f"{key}.path=pkg://no_such_package.rewards: no module named no_such_package.rewards"),
     ]
@@ -575,6 +578,6 @@ def test_the_gsm8k_grpo_and_the_4k_stage_scripts_compose_their_setups(tmp_path):
     config = OmegaConf.create("\n".join(config_lines(stage.stdout)))
     assert config.actor_rollout_ref.model.path == "/shared/models/spo-tree-2k"
     assert config.data.max_response_length == 3950 and config.algorithm.adv_estimator == "spo_tree"
-    assert config.actor_rollout_ref.actor.ppo_max_token_len_per_gpu == 2 * (512 + 3950)  # follows the lengths
+    assert config.actor_rollout_ref.actor.ppo_max_token_len_per_gpu == 2 * (200 + 3950)  # follows the lengths
     assert config.trainer.experiment_name == "math-r1-1.5b-spo_tree-4k"
     assert_set_for_a_long_cluster_run(stage.stdout)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from spo_verl.adapters.cpu_platform.import_hooks import after_import
+from spo_verl.adapters.import_hooks import after_import
 
 SERVER_MODULE = "verl.workers.rollout.vllm_rollout.vllm_async_server"
 

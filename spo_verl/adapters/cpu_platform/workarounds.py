@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from spo_verl.adapters.cpu_platform.import_hooks import after_import
+from spo_verl.adapters.import_hooks import after_import
 
 PATCHED = "__spo_cpu_workaround__"
 CPU_WORKER_EXTENSION = "spo_verl.adapters.cpu_platform.vllm_weight_sync.CPUWeightSyncExtension"

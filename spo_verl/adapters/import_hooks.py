@@ -1,7 +1,7 @@
 """Run a function right after a module is imported (now, if it already is).
 
-The CPU workarounds patch verl modules that most processes never import (vLLM's server, the FSDP
-engine); importing them eagerly would load vLLM into every Ray worker.
+The CPU workarounds and the stop strings patch verl modules that most processes never import (vLLM's
+server, the FSDP engine); importing them eagerly would load vLLM into every Ray worker.
 """
 
 from __future__ import annotations
