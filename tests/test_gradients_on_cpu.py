@@ -12,6 +12,7 @@ response can be enumerated, so the true gradient of expected reward is known exa
 
 import itertools
 import math
+import os
 import statistics
 
 import pytest
@@ -203,3 +204,70 @@ def test_the_halves_correction_recovers_the_cosine_with_the_true_gradient(policy
     truth = statistics.fmean(true)  # about 0.53 at this seed
     assert statistics.fmean(raw) < truth - 0.03  # the reference's noise shrinks every cosine
     assert statistics.fmean(corrected) == pytest.approx(truth, abs=0.025)
+
+
+@pytest.mark.asyncio(loop_scope="session")  # verl's server client lives in the session loop
+async def test_the_quick_measurement_writes_every_draw_and_resumes(llm_client, cpu_tiny_cache, tmp_path, monkeypatch):
+    """``python -m spo_verl.tools.credit.gradients --quick`` on the session's server (the cpu-tiny cache
+    around the untrained tiny model, so a toy reward that varies: an even number of characters): every
+    estimator's draws through the agent loops, verl's advantage step and policy loss, one row each with
+    its cosine and corrected cosine; each prompt's reference row with its halves' cosine; started again,
+    it samples nothing and keeps every row."""
+    import csv
+
+    from spo_verl.adapters.cpu_platform.environment import cpu_run_env
+    from spo_verl.tools.credit import gradients
+    from spo_verl.tools.credit.gradient_draws import sampling_key
+
+    monkeypatch.setenv("SPO_CPU_CACHE", str(cpu_tiny_cache))
+    for key, value in cpu_run_env().items():
+        monkeypatch.setenv(key, os.environ.get(key, value))
+    monkeypatch.setattr(gradients, "SCORE", lambda text, truth: float(len(text) % 2 == 0))
+    plan, prompt_set = gradients.quick_plan()
+    output = tmp_path / "gradients"
+    await gradients.measure(plan, prompt_set, output, client=llm_client)
+    with open(output / "draws.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert tuple(rows[0]) == gradients.COLUMNS
+    references = [r for r in rows if r["kind"] == "reference"]
+    assert sorted(r["prompt_uid"] for r in references) == ["c0", "c1"]  # no screening on the tiny model
+    for r in references:
+        assert int(r["units"]) == 32 and -1 <= float(r["halves_cosine"]) <= 1 and int(r["tokens"]) > 0
+    draws = [r for r in rows if r["kind"] == "draw"]
+    costs: dict[str, list[float]] = {}
+    with open(output / "units-tiny-tiny_add.csv", newline="") as handle:
+        for r in csv.DictReader(handle):
+            costs.setdefault(r["sampling"], []).append(float(r["tokens"]))
+    expected = set()
+    for budget in plan.budgets:  # every estimator at every budget its unit fits, 2 prompts x 2 draws
+        for estimator in plan.estimators:
+            cost = statistics.fmean(costs[sampling_key(estimator)])
+            if cost <= gradients.UNIT_OVER_BUDGET * budget:
+                expected |= {(estimator.name, str(budget), uid, str(d)) for uid in ("c0", "c1") for d in range(2)}
+                units = {int(r["units"]) for r in draws if (r["estimator"], r["budget"]) == (estimator.name, str(budget))}
+                assert units == {max(1, round(budget / cost))}
+    assert {(r["estimator"], r["budget"], r["prompt_uid"], r["draw"]) for r in draws} == expected
+    # Estimators that share a sampling are computed on the same rollouts of a draw: GRPO with and without
+    # the mask, the tree with and without pooled values.
+    for first, second in (("grpo", "grpo_prob_mask"), ("spo_tree_2_2", "spo_tree_2_2_pooled")):
+        tokens = {name: {(r["budget"], r["prompt_uid"], r["draw"]): (r["tokens"], r["reward_mean"]) for r in draws
+                         if r["estimator"] == name} for name in (first, second)}
+        assert tokens[first] == tokens[second]
+    assert {e for e, *_ in expected} >= {"grpo", "grpo_prob_mask", "spo_tree_2_2"}
+    finite = [r for r in draws if not math.isnan(float(r["cosine"]))]
+    assert len(finite) >= len(draws) // 2  # a draw whose rewards all agree trains nothing: no direction
+    for r in finite:
+        assert -1 <= float(r["cosine"]) <= 1 and int(r["tokens"]) > 0
+        rho = float(r["halves_cosine"])
+        if rho > 0:  # the correction as declared
+            assert float(r["corrected_cosine"]) == pytest.approx(float(r["cosine"]) / math.sqrt(2 * rho / (1 + rho)), rel=1e-4)
+    # Started again: every draw, reference and unit cost is kept, nothing is sampled again.
+    calls = []
+    monkeypatch.setattr(gradients, "SCORE", lambda text, truth: calls.append(text) or 0.0)
+    await gradients.measure(plan, prompt_set, output, client=llm_client)
+    with open(output / "draws.csv", newline="") as handle:
+        assert list(csv.DictReader(handle)) == rows
+    assert calls == []
+    summary = gradients.write_summary(output / "draws.csv", output / "summary.csv")
+    summarised = {(r["estimator"], r["budget"]) for r in summary if r["prompt_set"] == "all"}
+    assert {("grpo", b) for b in plan.budgets} <= summarised <= {(e, int(b)) for e, b, *_ in expected}
