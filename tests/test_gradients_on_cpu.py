@@ -271,3 +271,35 @@ async def test_the_quick_measurement_writes_every_draw_and_resumes(llm_client, c
     summary = gradients.write_summary(output / "draws.csv", output / "summary.csv")
     summarised = {(r["estimator"], r["budget"]) for r in summary if r["prompt_set"] == "all"}
     assert {("grpo", b) for b in plan.budgets} <= summarised <= {(e, int(b)) for e, b, *_ in expected}
+
+
+def test_an_estimators_gradient_is_minus_the_policy_loss_gradient_pushed_through_the_model_in_chunks(tiny_model):
+    """At ratio 1 verl's vanilla loss with token-mean is -sum(A * log p) / (response tokens) on the value
+    side, so its ascent direction is sum(A grad log p) / tokens over the trained tokens; the chunked
+    two-pass computation gives that, whatever the chunk, for every parameter or the last blocks only."""
+    from transformers import AutoModelForCausalLM
+
+    from spo_verl.tools.credit.gradient_draws import Row, _token_log_probs, estimator_gradient, trainable
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model[0], torch_dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for b in range(5):
+        prompt = torch.randint(5, 60, (3 + b,), generator=generator).tolist()
+        response = torch.randint(5, 60, (2 + 2 * b,), generator=generator).tolist()
+        advantages = torch.randn(len(response), generator=generator).tolist()
+        trained = [t % 3 != 1 for t in range(len(response))]  # a tree's row trains only some segments
+        rows.append(Row(prompt, response, advantages, trained))
+    for parameters in ("last_blocks", "all"):
+        chosen = trainable(model, parameters)
+        expected_objective = sum((lp * torch.tensor(r.advantages) * torch.tensor(r.trained, dtype=torch.float32)).sum()
+                                 for lp, r in zip(_token_log_probs(model, rows), rows)) / sum(sum(r.trained) for r in rows)
+        expected = torch.cat([g.reshape(-1) for g in torch.autograd.grad(expected_objective, chosen)])
+        for chunk in (1, 2, 8):
+            got = estimator_gradient(model, chosen, rows, "vanilla", chunk_rows=chunk)
+            assert torch.allclose(got, expected, atol=1e-6, rtol=1e-4), (parameters, chunk)
+        if parameters == "last_blocks":
+            assert len(expected) < sum(p.numel() for p in model.parameters())
+    # The masked loss couples the rows (whitening over the batch's masked tokens): still chunk-independent.
+    masked = [estimator_gradient(model, chosen, rows, "spo_prob_mask", chunk_rows=chunk) for chunk in (1, 8)]
+    assert torch.allclose(masked[0], masked[1], atol=1e-6, rtol=1e-4) and float(masked[0].norm()) > 0
