@@ -4,6 +4,7 @@ and quantiles, for the intervals the studies and the gradient measurement report
 from __future__ import annotations
 
 import math
+import statistics
 
 
 def _t_pdf(x: float, df: int) -> float:
@@ -31,3 +32,40 @@ def t_quantile(p: float, df: int) -> float:
         middle = (low + high) / 2
         low, high = (middle, high) if t_cdf(middle, df) < p else (low, middle)
     return (low + high) / 2
+
+
+def _normal_cdf(x: float) -> float:
+    return 0.5 * math.erfc(-x / math.sqrt(2))
+
+
+def paired_t_power(pairs: int, difference: float, sd: float, level: float = 0.975, grid: int = 2000) -> float:
+    """The power of the two-sided paired t test at confidence ``level`` with ``pairs`` pairs, when the true
+    mean difference is ``difference`` and the differences' standard deviation ``sd``: P(|T| > t_crit) for
+    T noncentral t with pairs - 1 degrees of freedom and noncentrality difference sqrt(pairs) / sd, by
+    integrating the normal numerator over the chi-square denominator (Simpson's rule would add nothing at
+    this grid)."""
+    df = pairs - 1
+    shift = difference * math.sqrt(pairs) / sd
+    critical = t_quantile(1 - (1 - level) / 2, df)
+    top = df + 12 * math.sqrt(2 * df) + 20  # the chi-square density is negligible beyond
+    step = top / grid
+    log_norm = (df / 2) * math.log(2) + math.lgamma(df / 2)
+    total = 0.0
+    for i in range(1, grid):
+        v = i * step
+        density = math.exp((df / 2 - 1) * math.log(v) - v / 2 - log_norm)
+        scale = math.sqrt(v / df)
+        total += density * ((1 - _normal_cdf(critical * scale - shift)) + _normal_cdf(-critical * scale - shift))
+    return total * step
+
+
+def pairs_needed(difference: float, sd: float, level: float = 0.975, power: float = 0.8) -> int:
+    """The fewest pairs whose paired t test at ``level`` detects ``difference`` with ``power`` (exact
+    noncentral t), searched from the normal approximation's count ``((z + z) sd / difference)^2``."""
+    z = statistics.NormalDist().inv_cdf
+    pairs = max(2, round(((z(1 - (1 - level) / 2) + z(power)) * sd / difference) ** 2))
+    while paired_t_power(pairs, difference, sd, level) < power:
+        pairs += 1
+    while pairs > 2 and paired_t_power(pairs - 1, difference, sd, level) >= power:
+        pairs -= 1
+    return pairs
