@@ -178,6 +178,37 @@ def test_a_resumed_runs_sample_log_keeps_one_record_a_step_the_later_one(tmp_pat
     path.write_text("".join(json.dumps(record) + "\n" for record in records))
     assert [(r["step"], r["attempt"]) for r in read_samples(path)] == [(1, 1), (2, 1), (3, 2), (4, 2)]
     assert read_samples(None) == []
+    # Started again from step 0 after logging further than the final attempt got: none of it is kept.
+    records = [{"step": s, "attempt": 1} for s in range(1, 6)] + [{"step": s, "attempt": 2} for s in range(1, 4)]
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    assert [(r["step"], r["attempt"]) for r in read_samples(path)] == [(1, 2), (2, 2), (3, 2)]
+
+
+def test_the_turns_command_reads_each_runs_final_attempt_as_the_study_csv_keeps_it(capsys):
+    """The multi-turn study's SPO-tree seeds 1 and 3 were started again from step 0 (attempts.json): their
+    sample logs hold 5 and 3 steps of a discarded attempt (4 episodes a step, 32 in all). The command
+    reads the final attempts only, the rows of the committed turns_credit.csv, 356 episodes."""
+    import csv
+    import os
+
+    from spo_verl.tools.credit import turns
+
+    runs = Path(__file__).resolve().parents[1] / "docs" / "results" / "study4" / "runs"
+    old = os.getcwd()
+    os.chdir(runs)  # the committed CSV names each run by its folder under runs/
+    try:
+        rows = [row for run in sorted(Path(".").glob("*/seed*")) for row in turns.read_run(run)]
+        assert turns.main([str(run) for run in sorted(Path(".").glob("spo_tree/seed*"))]) == 0
+    finally:
+        os.chdir(old)
+    with open(runs.parent / "turns_credit.csv", newline="") as handle:
+        committed = list(csv.DictReader(handle))
+    as_text = lambda value: "" if value is None else str(value)  # noqa: E731
+    by_run = lambda records: sorted(records, key=lambda r: r["run"])  # noqa: E731  (stable: each run's order kept)
+    assert by_run([{k: as_text(v) for k, v in vars(row).items()} for row in rows]) == by_run(committed)
+    logged = {seed: len((runs / "spo_tree" / f"seed{seed}" / "samples.jsonl").read_text().splitlines()) for seed in (1, 3)}
+    assert logged == {1: 27, 3: 26}  # 22 and 23 steps kept, 5 and 3 discarded
+    assert "| `spo_tree` | 4 | 356 | 176 | 66 | 114 | 0 | 0.603 +- 0.020 | 0.923 +- 0.042 | -0.097 +- 0.011 |" in capsys.readouterr().out
 
 
 def test_the_algorithm_is_told_from_the_sample_log_or_the_metrics():

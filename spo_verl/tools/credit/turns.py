@@ -10,6 +10,9 @@ advantage of the segment holding the turn, on the model's tokens (the environmen
 answer). A tree trains a turn its leaves share on one leaf's row only; here every leaf that went through
 the turn shows its advantage, because the question is what the estimator said of each episode's turns.
 
+A run started again (``attempts.json``) logged the steps of its discarded attempts too; only its final
+attempt's are read, the trajectory its metrics and results report.
+
 ``--csv`` writes one row per logged turn (run, algorithm, seed, step, episode, reward,
 first_wrong_turn, turn, tokens, masked_tokens, advantage, negative_mass, masked_negative_mass), from
 which the table this prints is recomputed: for each algorithm, the episodes by first wrong turn and,
@@ -82,10 +85,26 @@ def turn_credits(response: dict, run: str, algorithm: str, seed: int | None, ste
     return rows
 
 
+def final_attempt(records: Sequence[dict]) -> list[dict]:
+    """The records of the run's final trajectory: a run stopped and started again (from step 0, or from a
+    checkpoint) logs its steps again, and only the attempt that finished trained the run the results
+    report. Read from the end, a record is kept when its step lies before every step kept so far, so a
+    restart from step 0 drops the whole discarded attempt and a resume from a checkpoint keeps the steps
+    before the checkpoint, once each; the order stays the log's."""
+    kept, earliest = [], None
+    for record in reversed(records):
+        step = int(record["step"])
+        if earliest is None or step < earliest:
+            kept.append(record)
+            earliest = step
+    return kept[::-1]
+
+
 def turns_of_records(records: Sequence[dict], run: str, algorithm: str, seed: int | None) -> list[TurnCredit]:
-    """The logged turns of one run's sample-log records (each a step's line)."""
+    """The logged turns of one run's sample-log records (each a step's line), of its final attempt only
+    (:func:`final_attempt`)."""
     rows, episode = [], 0
-    for record in records:
+    for record in final_attempt(records):
         for response in record["responses"]:
             rows += turn_credits(response, run, algorithm, seed, int(record["step"]), episode)
             episode += 1

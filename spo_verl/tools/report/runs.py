@@ -174,12 +174,15 @@ def step_rows(steps: dict[int, dict], key: str | None) -> list[StepRow]:
 
 
 def read_samples(path: str | Path | None) -> list[dict]:
-    """One record per step, in step order: a run resumed from a checkpoint logs again the steps its
-    stopped attempt had logged after that checkpoint, and the later record is the one the run kept."""
+    """One record per step, in step order, of the run's final attempt: a run resumed from a checkpoint
+    logs again the steps its stopped attempt had logged after that checkpoint, a run started again from
+    step 0 logs every step again, and the final attempt's records are the ones the run kept (the turns
+    command reads the same, :func:`spo_verl.tools.credit.turns.final_attempt`)."""
+    from spo_verl.tools.credit.turns import final_attempt
+
     if path is None:
         return []
-    by_step = {record.get("step"): record for record in read_records(path)}
-    return sorted(by_step.values(), key=lambda record: record.get("step") or 0)
+    return final_attempt(read_records(path))
 
 
 def load_run(label: str, metrics_path: str | Path, samples_path: str | Path | None = None) -> Run:
