@@ -271,6 +271,19 @@ async def test_the_quick_measurement_writes_every_draw_and_resumes(llm_client, c
     summary = gradients.write_summary(output / "draws.csv", output / "summary.csv")
     summarised = {(r["estimator"], r["budget"]) for r in summary if r["prompt_set"] == "all"}
     assert {("grpo", b) for b in plan.budgets} <= summarised <= {(e, int(b)) for e, b, *_ in expected}
+    # --time-one-draw: the phases timed on the first candidate, no cosine anywhere.
+    import dataclasses
+
+    timed = await gradients.time_one_draw(dataclasses.replace(plan, screen_samples=4), prompt_set,
+                                          tmp_path / "cost" / "cost.csv", client=llm_client)
+    assert [r["phase"] for r in timed[:2]] == ["screen", "reference_half"] and timed[1]["rows"] == 16
+    assert {r["estimator"] for r in timed if r["phase"] == "unit"} == {"group4", "tiny_2_2", "tiny_chain"}
+    drawn = {r["estimator"] for r in timed if r["phase"] == "draw"}
+    assert {"grpo", "grpo_prob_mask"} <= drawn and all(r["tokens"] >= 0 for r in timed)
+    with open(tmp_path / "cost" / "cost.csv", newline="") as handle:
+        written = list(csv.DictReader(handle))
+    assert tuple(written[0]) == gradients.COST_COLUMNS and len(written) == len(timed)
+    assert not (tmp_path / "cost" / "draws.csv").exists()
 
 
 def test_an_estimators_gradient_is_minus_the_policy_loss_gradient_pushed_through_the_model_in_chunks(tiny_model):

@@ -365,6 +365,78 @@ async def measure(plan: Plan, prompt_set: PromptSet, output_dir: Path, client=No
             server.shutdown()
 
 
+COST_COLUMNS = ("policy", "prompt_set", "prompt_uid", "phase", "estimator", "budget", "units", "rows", "tokens",
+                "row_tokens", "parameters", "sample_seconds", "gradient_seconds", "load_average")
+
+
+async def time_one_draw(plan: Plan, prompt_set: PromptSet, path: Path, client=None) -> list[dict]:
+    """What the declared counts cost, timed without computing any cosine: on the first candidate prompt,
+    one screening, one reference half, then for each estimator one unit (the cost pass) and one draw at
+    the largest budget it fits, its gradient included. One row a phase in ``path``."""
+    from transformers import AutoTokenizer
+
+    from spo_verl.tools.credit.gradient_draws import (estimator_gradient, group_config, plain_samples, reference_half,
+                                                      sample_draw)
+    from spo_verl.tools.testing.verl_server import start_verl_server
+
+    server = None
+    if client is None:
+        server = await start_verl_server(plan.model_dir, prompt_length=prompt_set.prompt_length,
+                                         response_length=prompt_set.response_length)
+        client = server.client
+    rows = []
+
+    def record(**row):
+        full = {"policy": plan.policy, "prompt_set": prompt_set.name, "prompt_uid": uid, "parameters": plan.parameters,
+                "load_average": os.getloadavg()[0], **row}
+        rows.append(full)
+        _append(path, full, list(COST_COLUMNS))
+        print("gradients: cost " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+              flush=True)
+
+    try:
+        measurement = Measurement(plan, prompt_set, path.parent, client, AutoTokenizer.from_pretrained(plan.model_dir))
+        uid, messages, truth = prompt_set.candidates[0]
+        for phase, samples in (("screen", plan.screen_samples), ("reference_half", plan.reference_samples)):
+            started = time.perf_counter()
+            config = group_config(plan.model_dir, samples, prompt_set.prompt_length, prompt_set.response_length)
+            leaves = await plain_samples(config, client, measurement.tokenizer, f"{uid}/{phase}", messages, truth, SCORE)
+            sampled, started = time.perf_counter() - started, time.perf_counter()
+            if phase == "reference_half":
+                reference_half(measurement.model, measurement.parameters, leaves)
+            tokens = sum(len(leaf.output.response_ids) for leaf in leaves)
+            record(phase=phase, estimator="", budget="", units=samples, rows=len(leaves), tokens=tokens,
+                   row_tokens=sum(len(leaf.output.prompt_ids) for leaf in leaves) + tokens, sample_seconds=sampled,
+                   gradient_seconds=time.perf_counter() - started if phase == "reference_half" else 0.0)
+        for key, estimators in measurement.samplings().items():
+            started = time.perf_counter()
+            unit = await sample_draw(estimators[:1], 1, plan.model_dir, client, measurement.tokenizer, f"{uid}/cost",
+                                     messages, truth, prompt_set.prompt_length, prompt_set.response_length, SCORE)
+            record(phase="unit", estimator=key, budget="", units=1, rows=len(unit.rows[estimators[0].name]),
+                   tokens=unit.tokens, row_tokens="", sample_seconds=time.perf_counter() - started, gradient_seconds=0.0)
+            fitting = [b for b in plan.budgets if unit.tokens <= UNIT_OVER_BUDGET * b]
+            if not fitting:
+                continue
+            budget = max(fitting)
+            units = max(1, round(budget / unit.tokens))
+            started = time.perf_counter()
+            draw = await sample_draw(estimators, units, plan.model_dir, client, measurement.tokenizer, f"{uid}/timed",
+                                     messages, truth, prompt_set.prompt_length, prompt_set.response_length, SCORE)
+            sampled = time.perf_counter() - started
+            for estimator in estimators:
+                started = time.perf_counter()
+                estimator_gradient(measurement.model, measurement.parameters, draw.rows[estimator.name], estimator.loss_mode)
+                draw_rows = draw.rows[estimator.name]
+                record(phase="draw", estimator=estimator.name, budget=budget, units=units, rows=len(draw_rows),
+                       tokens=draw.tokens, row_tokens=sum(len(r.prompt_ids) + len(r.response_ids) for r in draw_rows),
+                       sample_seconds=sampled, gradient_seconds=time.perf_counter() - started)
+                sampled = 0.0  # the rollouts are shared: counted once
+    finally:
+        if server is not None:
+            server.shutdown()
+    return rows
+
+
 def _policy(spec: str) -> tuple[str, str]:
     if spec == "base":
         from spo_verl.tools.cpu_settings import smollm2
@@ -400,6 +472,9 @@ def main(argv=None) -> int:
     parser.add_argument("--estimators", default=None, help="a subset of the declared estimators (default: all)")
     parser.add_argument("--output-dir", type=Path, default=Path("outputs/gradients"))
     parser.add_argument("--quick", action="store_true", help="cpu-tiny, 2 prompts, 2 budgets, 2 draws")
+    parser.add_argument("--time-one-draw", type=Path, metavar="CSV",
+                        help="compute no cosine: time one screening, one reference half and one draw of each estimator "
+                             "on each task's first candidate, one row a phase in CSV")
     args = parser.parse_args(argv)
     if args.quick:
         plans = [quick_plan(args.parameters)]
@@ -420,6 +495,11 @@ def main(argv=None) -> int:
     from spo_verl.adapters.cpu_platform.environment import cpu_run_env
 
     os.environ.update({key: os.environ.get(key, value) for key, value in cpu_run_env().items()})
+    if args.time_one_draw is not None:
+        args.time_one_draw.parent.mkdir(parents=True, exist_ok=True)
+        for plan, prompt_set in plans:
+            asyncio.run(time_one_draw(plan, prompt_set, args.time_one_draw))
+        return 0
     args.output_dir.mkdir(parents=True, exist_ok=True)
     for plan, prompt_set in plans:
         asyncio.run(measure(plan, prompt_set, args.output_dir))
