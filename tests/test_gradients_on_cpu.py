@@ -316,3 +316,41 @@ def test_an_estimators_gradient_is_minus_the_policy_loss_gradient_pushed_through
     # The masked loss couples the rows (whitening over the batch's masked tokens): still chunk-independent.
     masked = [estimator_gradient(model, chosen, rows, "spo_prob_mask", chunk_rows=chunk) for chunk in (1, 8)]
     assert torch.allclose(masked[0], masked[1], atol=1e-6, rtol=1e-4) and float(masked[0].norm()) > 0
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_prompts_are_chosen_by_the_declared_rule_screen_then_a_reliable_reference(llm_client, cpu_tiny_cache,
+                                                                                         tmp_path, monkeypatch):
+    """The rule SmolLM2's prompts are chosen by, on the tiny model with a toy reward: candidates in order,
+    each screened, kept only when its right screening samples lie in the declared range and its
+    reference's halves agree at least as declared; every candidate looked at is a line of the prompts
+    file, and started again the choice is read back, nothing sampled."""
+    import csv
+    import dataclasses
+
+    from spo_verl.adapters.cpu_platform.environment import cpu_run_env
+    from spo_verl.tools.credit import gradients
+
+    monkeypatch.setenv("SPO_CPU_CACHE", str(cpu_tiny_cache))
+    for key, value in cpu_run_env().items():
+        monkeypatch.setenv(key, os.environ.get(key, value))
+    monkeypatch.setattr(gradients, "SCORE", lambda text, truth: float(len(text) % 2 == 0))
+    monkeypatch.setattr(gradients, "SCREEN_RIGHT", (1, 3))  # of 4: both kinds of answer among the samples
+    plan, prompt_set = gradients.quick_plan()
+    plan = dataclasses.replace(plan, screen_samples=4, prompts=2, reference_samples=8)
+    prompt_set = dataclasses.replace(prompt_set, screen=True)
+    measurement = gradients.Measurement(plan, prompt_set, tmp_path, llm_client, __import__("transformers").AutoTokenizer
+                                        .from_pretrained(plan.model_dir))
+    chosen = await measurement.choose_prompts()
+    with open(tmp_path / "prompts-tiny-tiny_add.csv", newline="") as handle:
+        looked_at = list(csv.DictReader(handle))
+    assert [r["prompt_uid"] for r in looked_at] == [uid for uid, _, _ in prompt_set.candidates[: len(looked_at)]]
+    for r in looked_at:
+        passes = 1 <= int(r["screen_right"]) <= 3
+        assert (r["halves_cosine"] != "") == passes  # a reference only for a candidate that passed the screen
+        reliable = passes and float(r["halves_cosine"]) >= gradients.MIN_HALVES_COSINE
+        assert int(r["kept"]) == int(reliable)
+    assert [uid for uid, _, _ in chosen] == [r["prompt_uid"] for r in looked_at if r["kept"] == "1"]
+    assert len(chosen) == 2 and looked_at[-1]["kept"] == "1"  # it stops at the second prompt kept
+    monkeypatch.setattr(gradients, "SCORE", lambda text, truth: pytest.fail("sampled again"))
+    assert await measurement.choose_prompts() == chosen
