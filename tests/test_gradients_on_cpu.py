@@ -339,8 +339,20 @@ async def test_prompts_are_chosen_by_the_declared_rule_screen_then_a_reliable_re
     plan, prompt_set = gradients.quick_plan()
     plan = dataclasses.replace(plan, screen_samples=4, prompts=2, reference_samples=8)
     prompt_set = dataclasses.replace(prompt_set, screen=True)
-    measurement = gradients.Measurement(plan, prompt_set, tmp_path, llm_client, __import__("transformers").AutoTokenizer
-                                        .from_pretrained(plan.model_dir))
+    tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(plan.model_dir)
+
+    # No reference reliable enough (a threshold no cosine reaches): the first candidates are all looked
+    # at, each screened, and none is kept.
+    monkeypatch.setattr(gradients, "MIN_HALVES_COSINE", 1.01)
+    few = dataclasses.replace(prompt_set, candidates=prompt_set.candidates[:3])
+    assert await gradients.Measurement(plan, few, tmp_path / "none", llm_client, tokenizer).choose_prompts() == []
+    with open(tmp_path / "none" / "prompts-tiny-tiny_add.csv", newline="") as handle:
+        assert [(r["prompt_uid"], r["kept"]) for r in csv.DictReader(handle)] == [("c0", "0"), ("c1", "0"), ("c2", "0")]
+
+    # Every reference reliable that has a direction (halves whose rewards all agree have none): which
+    # prompts are kept is the sampler's; that the rule reads them in order and stops at the second is the test.
+    monkeypatch.setattr(gradients, "MIN_HALVES_COSINE", -1.0)
+    measurement = gradients.Measurement(plan, prompt_set, tmp_path, llm_client, tokenizer)
     chosen = await measurement.choose_prompts()
     with open(tmp_path / "prompts-tiny-tiny_add.csv", newline="") as handle:
         looked_at = list(csv.DictReader(handle))
