@@ -99,7 +99,7 @@ def _absolute(config: DictConfig, key: str, cwd: Path, only_if_present: bool) ->
 
 
 def _absolute_path(value: str, cwd: Path, only_if_present: bool) -> str:
-    if not value or value.startswith(("/", "hdfs://", "s3://", "gs://")) or "://" in value:
+    if not value or value.startswith("/") or "://" in value:  # absolute, or remote (hdfs://, s3://, ...)
         return value
     expanded = Path(value).expanduser()
     if expanded.is_absolute():
