@@ -64,6 +64,38 @@ def test_tokens_to_match_interpolates_in_log_tokens():
     assert tokens_to_match(points, 0.05) == 1500 and tokens_to_match(points, 0.5) is None
 
 
+def test_the_tokens_each_estimator_needs_to_match_grpo_at_its_largest_budget(tmp_path):
+    """From draws.csv through summary.csv to matching.csv: GRPO's mean corrected cosine at 200 tokens is
+    0.4; the tree reaches it halfway between its 100 and 200 tokens in log tokens (sqrt(100 x 200)); the
+    chain never does."""
+    import csv
+
+    from spo_verl.tools.credit import gradients
+
+    columns = ["kind", "policy", "prompt_set", "parameters", "estimator", "budget", "prompt_uid", "tokens",
+               "corrected_cosine"]
+    cosines = {"grpo": (0.2, 0.4), "spo_tree_2_2": (0.3, 0.5), "spo_chain": (0.1, 0.2)}
+    draws = tmp_path / "draws.csv"
+    with open(draws, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(columns)
+        for estimator, (low, high) in cosines.items():
+            for budget, value in ((100, low), (200, high)):
+                for uid, offset in (("a", -0.05), ("b", 0.05)):  # the prompts' mean is the value
+                    writer.writerow(["draw", "base", "steps3", "last_blocks", estimator, budget, uid, budget,
+                                     value + offset])
+    summary = gradients.write_summary(draws, tmp_path / "summary.csv")
+    matching = gradients.write_matching(summary, tmp_path / "matching.csv")
+    found = {(r["prompt_set"], r["estimator"]): r for r in matching}
+    assert set(found) == {(s, e) for s in ("steps3", "all") for e in ("spo_tree_2_2", "spo_chain")}
+    tree, chain = found[("steps3", "spo_tree_2_2")], found[("steps3", "spo_chain")]
+    assert (tree["grpo_budget"], tree["grpo_corrected_cosine"]) == (200, pytest.approx(0.4))
+    assert tree["tokens_to_match"] == pytest.approx(math.sqrt(100 * 200))
+    assert chain["tokens_to_match"] == ""
+    with open(tmp_path / "matching.csv", newline="") as handle:
+        assert [r["tokens_to_match"] for r in csv.DictReader(handle) if r["prompt_set"] == "steps3"] == ["", "141.4"]
+
+
 class TabularPolicy:
     """A softmax policy over 3 words and an end token, one table row per prefix of at most 2 words, that
     writes at most 3 tokens: 40 responses, each enumerated with its probability and the gradient of its

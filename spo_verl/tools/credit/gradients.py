@@ -14,7 +14,8 @@ estimator at every budget it fits, each one row of ``draws.csv`` with its cosine
 that cosine corrected by the halves' agreement (``spo_verl.core.credit.gradients``). Started again with
 the same arguments it reuses the prompts, references and costs it kept, and skips every draw already in
 ``draws.csv``. ``summary.csv``: each estimator's mean corrected cosine a budget, and against GRPO paired
-over prompts (mean, standard error, 95 % interval).
+over prompts (mean, standard error, 95 % interval). ``matching.csv``: the generated tokens each estimator
+needs to reach GRPO's mean corrected cosine at GRPO's largest budget.
 
 ``--quick``: the cpu-tiny setting, 2 prompts, 2 small budgets, 2 draws, references of 2 x 16: the whole
 pipeline in about a minute.
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from spo_verl.core.credit.gradients import corrected_cosine, cosine, paired_interval
+from spo_verl.core.credit.gradients import corrected_cosine, cosine, paired_interval, tokens_to_match
 from spo_verl.tools.credit.gradient_draws import Estimator, GroupSetup
 from spo_verl.tools.credit.rollouts import ChainSetup, TreeSetup, gsm8k_score
 
@@ -334,6 +335,42 @@ def summary_rows(draws_csv: Path, reference: str = "grpo") -> list[dict]:
     return out
 
 
+def matching_rows(summary: list[dict], reference: str = "grpo") -> list[dict]:
+    """Per (policy, prompt set, parameters, estimator): the generated tokens it needs to reach
+    ``reference``'s mean corrected cosine at the reference's largest budget (the declared 6,000 by
+    default), interpolated in log tokens between its own budgets; empty where it stays below."""
+    groups: dict[tuple, dict[str, list[tuple[float, float, int]]]] = {}
+    for row in summary:
+        key = (row["policy"], row["prompt_set"], row["parameters"])
+        groups.setdefault(key, {}).setdefault(row["estimator"], []).append(
+            (float(row["tokens"]), float(row["corrected_cosine"]), int(row["budget"])))
+    out = []
+    for key, estimators in sorted(groups.items()):
+        if reference not in estimators:
+            continue
+        _, target, budget = max(estimators[reference], key=lambda point: point[2])
+        for name, points in sorted(estimators.items()):
+            if name == reference:
+                continue
+            tokens = tokens_to_match([(t, c) for t, c, _ in points], target)
+            out.append({"policy": key[0], "prompt_set": key[1], "parameters": key[2], "estimator": name,
+                        f"{reference}_budget": budget, f"{reference}_corrected_cosine": target,
+                        "tokens_to_match": "" if tokens is None else tokens})
+    return out
+
+
+def write_matching(summary: list[dict], path: Path) -> list[dict]:
+    rows = matching_rows(summary)
+    columns = ["policy", "prompt_set", "parameters", "estimator", "grpo_budget", "grpo_corrected_cosine",
+               "tokens_to_match"]
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()})
+    return rows
+
+
 def write_summary(draws_csv: Path, path: Path) -> list[dict]:
     rows = summary_rows(draws_csv)
     columns = ["policy", "prompt_set", "parameters", "estimator", "budget", "prompts", "tokens", "corrected_cosine",
@@ -504,12 +541,13 @@ def main(argv=None) -> int:
     for plan, prompt_set in plans:
         asyncio.run(measure(plan, prompt_set, args.output_dir))
     summary = write_summary(args.output_dir / "draws.csv", args.output_dir / "summary.csv")
+    write_matching(summary, args.output_dir / "matching.csv")
     for row in summary:
         if row["prompt_set"] == "all":
             extra = f"  minus grpo {row['minus_grpo']:+.3f} [{row['low']:+.3f}, {row['high']:+.3f}]" if row.get("low") is not None else ""
             print(f"gradients: {row['policy']} {row['estimator']:<24} {row['budget']:>6} tokens {row['tokens']:>7.0f} "
                   f"corrected cosine {row['corrected_cosine']:.3f}{extra}")
-    print(f"gradients: draws.csv, summary.csv in {args.output_dir}")
+    print(f"gradients: draws.csv, summary.csv, matching.csv in {args.output_dir}")
     return 0
 
 
