@@ -29,7 +29,8 @@ def main() -> None:
     sys.stdin.read()
     ray.init(address=cluster.address, logging_level="ERROR")
     actors = [{"class": actor.class_name, "node": actor.node_id, "state": actor.state}
-              for actor in list_actors(detail=False, limit=10_000, raise_on_missing_output=False)]
+              for actor in list_actors(address=cluster.address, detail=False, limit=10_000,
+                                       raise_on_missing_output=False)]
     print(f"actors {json.dumps(actors)}", flush=True)
     ray.shutdown()
     cluster.shutdown()
