@@ -359,28 +359,28 @@ def matching_rows(summary: list[dict], reference: str = "grpo") -> list[dict]:
     return out
 
 
-def write_matching(summary: list[dict], path: Path) -> list[dict]:
-    rows = matching_rows(summary)
-    columns = ["policy", "prompt_set", "parameters", "estimator", "grpo_budget", "grpo_corrected_cosine",
-               "tokens_to_match"]
+def _write_table(path: Path, columns: list[str], rows: list[dict]) -> list[dict]:
+    """``rows`` as a CSV table at ``path``, floats to 4 significant digits; returns ``rows``."""
     with open(path, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=columns)
         writer.writeheader()
         for row in rows:
             writer.writerow({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()})
     return rows
+
+
+def write_matching(summary: list[dict], path: Path) -> list[dict]:
+    rows = matching_rows(summary)
+    columns = ["policy", "prompt_set", "parameters", "estimator", "grpo_budget", "grpo_corrected_cosine",
+               "tokens_to_match"]
+    return _write_table(path, columns, rows)
 
 
 def write_summary(draws_csv: Path, path: Path) -> list[dict]:
     rows = summary_rows(draws_csv)
     columns = ["policy", "prompt_set", "parameters", "estimator", "budget", "prompts", "tokens", "corrected_cosine",
                "minus_grpo", "se", "low", "high", "verdict"]
-    with open(path, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=columns)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()})
-    return rows
+    return _write_table(path, columns, rows)
 
 
 async def measure(plan: Plan, prompt_set: PromptSet, output_dir: Path, client=None) -> None:
