@@ -3,16 +3,10 @@ neither verl nor vLLM, Ray or TransferQueue, nor anything of the package outside
 adapters import no tool; only tools and tests import the test harness (``spo_verl.tools.testing``)."""
 
 import ast
-import importlib
-import importlib.util
 import re
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
-
-import spo_verl
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "spo_verl"
@@ -81,20 +75,6 @@ def test_adapters_import_no_tool_and_only_tools_import_the_test_harness():
     harness_users = {module for module, imports in MODULES.items()
                      if any(imported.startswith("spo_verl.tools.testing") for imported in imports)}
     assert all(_layer(module) == "tool" for module in harness_users), sorted(harness_users)
-
-
-def test_a_module_name_from_before_the_layers_is_refused_naming_its_new_place():
-    for old, new in spo_verl.MOVED_MODULES.items():
-        assert importlib.util.find_spec(f"spo_verl.{new}") is not None, new
-        assert f"spo_verl.{new}" in MODULES and f"spo_verl.{old}" not in MODULES
-    command = subprocess.run([sys.executable, "-m", "spo_verl.credit", "--help"], cwd=REPO, capture_output=True,
-                             text=True, timeout=120)
-    assert command.returncode != 0
-    assert "spo_verl.credit has moved: it is now spo_verl.tools.credit" in command.stderr
-    with pytest.raises(ModuleNotFoundError, match=r"spo_verl\.rewards has moved: it is now spo_verl\.adapters\.rewards"):
-        importlib.import_module("spo_verl.rewards")
-    with pytest.raises(ModuleNotFoundError, match="No module named 'spo_verl.no_such_module'"):
-        importlib.import_module("spo_verl.no_such_module")
 
 
 def test_every_file_of_the_package_the_docs_name_exists_and_has_the_lines_they_cite():
