@@ -407,3 +407,41 @@ async def test_prompts_are_chosen_by_the_declared_rule_screen_then_a_reliable_re
     assert len(chosen) == 2 and looked_at[-1]["kept"] == "1"  # it stops at the second prompt kept
     monkeypatch.setattr(gradients, "SCORE", lambda text, truth: pytest.fail("sampled again"))
     assert await measurement.choose_prompts() == chosen
+
+
+def test_rows_that_share_their_prompt_encode_it_once_and_get_the_per_row_gradient(tiny_model):
+    """A draw's rows all repeat the prompt (a tree's also their shared segments): the prompt, less the
+    token that predicts the first response token, is encoded once and its keys and values serve every
+    chunk; the gradient is the one computed row by row, for every parameter or the last blocks only, and
+    the log-probabilities are the rows' own."""
+    from transformers import AutoModelForCausalLM
+
+    from spo_verl.tools.credit.gradient_draws import (Row, _token_log_probs, estimator_gradient, shared_prefix,
+                                                      trainable)
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model[0], torch_dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randint(5, 60, (9,), generator=generator).tolist()
+    segment = torch.randint(5, 60, (3,), generator=generator).tolist()
+    rows = []
+    for b in range(6):  # siblings after one shared segment, then rows that part at the first response token
+        head = segment if b < 3 else []
+        response = head + torch.randint(5, 60, (1 + b,), generator=generator).tolist()
+        rows.append(Row(prompt, response, torch.randn(len(response), generator=generator).tolist(),
+                        [True] * len(response)))
+    with torch.no_grad():
+        prefix = shared_prefix(model, rows)
+        assert prefix.ids == prompt[:-1]  # the last prompt token is each row's: it predicts the response
+        assert shared_prefix(model, rows[:3]).ids == prompt[:-1]  # never past the prompt
+        for shared, alone in zip(_token_log_probs(model, rows, prefix), _token_log_probs(model, rows)):
+            assert torch.allclose(shared, alone, atol=1e-5)
+    other = Row([prompt[0] + 1, *prompt[1:]], [7], [1.0], [True])
+    assert shared_prefix(model, [*rows, other]) is None  # no token shared by every row
+    for parameters in ("last_blocks", "all"):
+        chosen = trainable(model, parameters)
+        objective = sum((lp * torch.tensor(r.advantages)).sum() for lp, r in zip(_token_log_probs(model, rows), rows))
+        expected = torch.cat([g.reshape(-1) for g in torch.autograd.grad(objective / sum(len(r.advantages) for r in rows),
+                                                                          chosen)])
+        for chunk in (1, 4):
+            got = estimator_gradient(model, chosen, rows, "vanilla", chunk_rows=chunk)
+            assert torch.allclose(got, expected, atol=1e-6, rtol=1e-4), (parameters, chunk)

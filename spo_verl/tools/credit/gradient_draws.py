@@ -11,7 +11,8 @@ compared with.
   for ``spo_prob_mask``, the paper's reference normalisation; ratio 1 (the old log-probabilities are the
   current ones, detached). Its gradient with respect to the log-probabilities is taken once on the whole
   draw (the loss couples the rows: token-mean, the mask's whitening), then pushed through the model a few
-  rows at a time, so no more than a chunk's logits are ever held.
+  rows at a time, so no more than a chunk's logits are ever held, after the prompt the rows share,
+  encoded once (:class:`SharedPrefix`).
 * The reference: plain samples, each response's sequence log-probability weighted by its reward less the
   mean of the others (:func:`spo_verl.core.credit.gradients.leave_one_out_weights`).
 """
@@ -176,20 +177,55 @@ def trainable(model, parameters: str) -> list[torch.nn.Parameter]:
     return chosen
 
 
-def _token_log_probs(model, rows: Sequence[Row]) -> list[torch.Tensor]:
-    """Each row's response tokens' log-probabilities (temperature 1), right-padded in one forward; only
-    the response positions are projected to the vocabulary."""
-    width = max(len(r.prompt_ids) + len(r.response_ids) for r in rows)
+@dataclass
+class SharedPrefix:
+    """The tokens every row of a draw begins with (the prompt, less its last token, which predicts the first
+    response token), encoded once: each layer's keys and values for one row, expanded over a chunk's rows.
+    In a draw every row repeats the prompt (four fifths of its tokens on the horizon tasks), so the
+    rows' forward and backward passes cost their suffixes only; the trainable layers' keys and values keep
+    their graph, so each chunk's backward pass also reaches the parameters through the prefix."""
+
+    ids: list[int]
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def shared_prefix(model, rows: Sequence[Row]) -> SharedPrefix | None:
+    """The longest token prefix of every row that stops before each row's last prompt token; ``None``
+    when the rows share no token."""
+    sequences = [r.prompt_ids + r.response_ids for r in rows]
+    length = min(len(r.prompt_ids) for r in rows) - 1
+    for sequence in sequences[1:]:
+        length = next((i for i in range(length) if sequence[i] != sequences[0][i]), length)
+    if length <= 0:
+        return None
+    ids = sequences[0][:length]
+    cache = model.model(input_ids=torch.tensor([ids]), use_cache=True).past_key_values
+    return SharedPrefix(ids, [(layer.keys, layer.values) for layer in cache.layers])
+
+
+def _token_log_probs(model, rows: Sequence[Row], prefix: SharedPrefix | None = None) -> list[torch.Tensor]:
+    """Each row's response tokens' log-probabilities (temperature 1), right-padded in one forward after the
+    ``prefix`` the rows share (if any); only the response positions are projected to the vocabulary."""
+    from transformers import DynamicCache
+
+    skip = len(prefix.ids) if prefix is not None else 0
+    suffixes = [(r.prompt_ids + r.response_ids)[skip:] for r in rows]
+    width = max(len(s) for s in suffixes)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
-    attention = torch.zeros(len(rows), width, dtype=torch.long)
-    for b, r in enumerate(rows):
-        sequence = r.prompt_ids + r.response_ids
-        ids[b, : len(sequence)] = torch.tensor(sequence)
-        attention[b, : len(sequence)] = 1
-    hidden = model.model(input_ids=ids, attention_mask=attention).last_hidden_state
+    attention = torch.zeros(len(rows), skip + width, dtype=torch.long)
+    attention[:, :skip] = 1
+    for b, suffix in enumerate(suffixes):
+        ids[b, : len(suffix)] = torch.tensor(suffix)
+        attention[b, skip : skip + len(suffix)] = 1
+    cache = None
+    if prefix is not None:
+        cache = DynamicCache([(k.expand(len(rows), -1, -1, -1), v.expand(len(rows), -1, -1, -1))
+                              for k, v in prefix.layers], config=model.config)
+    hidden = model.model(input_ids=ids, attention_mask=attention, past_key_values=cache,
+                         use_cache=cache is not None).last_hidden_state
     out = []
     for b, r in enumerate(rows):
-        start, length = len(r.prompt_ids), len(r.response_ids)
+        start, length = len(r.prompt_ids) - skip, len(r.response_ids)
         logits = model.lm_head(hidden[b, start - 1 : start + length - 1]).float()
         out.append(torch.log_softmax(logits, dim=-1).gather(-1, ids[b, start : start + length, None])[:, 0])
     return out
@@ -208,13 +244,14 @@ def ascent_gradient(model, parameters: list[torch.nn.Parameter], rows: Sequence[
     ``parameters``, accumulated a chunk of rows at a time."""
     for p in parameters:
         p.grad = None
+    prefix = shared_prefix(model, rows)
     for first in range(0, len(rows), chunk_rows):
         chunk = rows[first : first + chunk_rows]
-        log_probs = _token_log_probs(model, chunk)
+        log_probs = _token_log_probs(model, chunk, prefix)
         weights = token_weights[first : first + len(chunk)]
         objective = sum((lp * weights[b, : len(lp)]).sum() for b, lp in enumerate(log_probs))
         if objective.requires_grad:
-            objective.backward()
+            objective.backward(retain_graph=prefix is not None)  # the prefix's graph serves every chunk
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in parameters])
 
 
@@ -244,7 +281,8 @@ def estimator_gradient(model, parameters: list[torch.nn.Parameter], rows: Sequen
 
     width = max(len(r.response_ids) for r in rows)
     with torch.no_grad():
-        current = torch.cat([_padded(_token_log_probs(model, rows[i : i + chunk_rows]), width)
+        prefix = shared_prefix(model, rows)
+        current = torch.cat([_padded(_token_log_probs(model, rows[i : i + chunk_rows], prefix), width)
                              for i in range(0, len(rows), chunk_rows)])
     response_mask = _padded([torch.tensor(r.trained, dtype=torch.float32) for r in rows], width)
     advantages = _padded([torch.tensor(r.advantages, dtype=torch.float32) for r in rows], width)

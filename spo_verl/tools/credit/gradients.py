@@ -237,20 +237,22 @@ class Measurement:
 
     async def draws(self, prompts, costs: dict[str, float]) -> None:
         """Every estimator's draws at every budget its unit fits; estimators that share a sampling are
-        computed on the same rollouts of a draw."""
+        computed on the same rollouts of a draw. A prompt's draws are all taken before the next prompt's,
+        each draw of every estimator in turn, so a measurement stopped part way holds whole prompts
+        (or the first draws of one) for every comparison."""
         from spo_verl.tools.credit.gradient_draws import estimator_gradient, sample_draw
 
         done = {(r["prompt_uid"], r["estimator"], r["budget"], r["draw"]) for r in _read(self.csv)
                 if r["kind"] == "draw" and r["policy"] == self.plan.policy and r["prompt_set"] == self.prompt_set.name
                 and r["parameters"] == self.plan.parameters}
-        for budget in self.plan.budgets:
-            for key, estimators in self.samplings().items():
-                if costs[key] > UNIT_OVER_BUDGET * budget:
-                    continue  # the unit does not fit this budget
-                units = max(1, round(budget / costs[key]))
-                for uid, messages, truth in prompts:
-                    reference = torch.load(self._reference_file(uid))
-                    for r in range(self.plan.draws):
+        for uid, messages, truth in prompts:
+            reference = torch.load(self._reference_file(uid))
+            for r in range(self.plan.draws):
+                for budget in self.plan.budgets:
+                    for key, estimators in self.samplings().items():
+                        if costs[key] > UNIT_OVER_BUDGET * budget:
+                            continue  # the unit does not fit this budget
+                        units = max(1, round(budget / costs[key]))
                         pending = [e for e in estimators if (uid, e.name, str(budget), str(r)) not in done]
                         if not pending:
                             continue
