@@ -147,13 +147,21 @@ def test_every_cluster_script_passes_the_check_as_documented(script, setting_mod
     assert "Started a local Ray instance" not in out + result.stderr
 
 
-def test_a_missing_data_file_or_model_is_refused_before_ray_naming_it(tiny_model, data_dir, tmp_path):
+def test_a_missing_data_file_or_model_or_an_ignored_setting_is_refused_before_ray_naming_it(tiny_model, data_dir, tmp_path):
     empty = tmp_path / "no-data"
     result = check("run_spo_chain.sh", "--check", MODEL_PATH=tiny_model[0], DATA_DIR=str(empty))
     assert result.returncode == 2
     assert refusal(result) == (f"spo: data.train_files: {empty}/gsm8k/train.parquet: no such file (scripts/prepare_data.sh "
                                f"writes the cluster settings' data under DATA_DIR, default ~/data/spo; DATA_DIR={empty})")
     assert "Started a local Ray instance" not in result.stdout + result.stderr  # refused before Ray
+
+    # A setting the chosen algorithm would ignore: a multi-turn environment for a single-turn chain.
+    result = check("run_spo_chain.sh", "--check", "algorithm.spo.turns.environment=nonexistent_env",
+                   MODEL_PATH=tiny_model[0], DATA_DIR=str(data_dir))
+    assert result.returncode == 2
+    assert refusal(result).startswith("spo: algorithm.spo.turns.environment=nonexistent_env would be ignored: only "
+                                      "multi-turn episodes use it")
+    assert "Started a local Ray instance" not in result.stdout + result.stderr
 
     result = check("run_spo_tree.sh", "--check", MODEL_PATH=str(tmp_path / "model"), DATA_DIR=str(data_dir))
     assert result.returncode == 2

@@ -165,6 +165,14 @@ def test_rollout_n_follows_the_tree_shape():
         (["spo_algorithm=spo_chain", "algorithm.spo.chain.partition=turn", "algorithm.spo.turns.environment=verl_tools",
           "actor_rollout_ref.rollout.multi_turn.function_tool_path=/nonexistent/tools.py"],
          r"actor_rollout_ref\.rollout\.multi_turn tools cannot be loaded .*/nonexistent/tools\.py"),
+        # An environment the run would ignore: its rollout samples single-turn responses.
+        (["spo_algorithm=spo_chain", "algorithm.spo.turns.environment=nonexistent_env"],
+         r"algorithm\.spo\.turns\.environment=nonexistent_env would be ignored: only multi-turn episodes use it "
+         r"\(algorithm\.spo\.chain\.partition=turn with spo_chain, .*this run \(algorithm\.adv_estimator=spo_chain, "
+         r"default_agent_loop=spo_chain\) samples single-turn responses"),
+        (["spo_algorithm=grpo", "algorithm.spo.turns.environment=arithmetic_dialogue"],
+         r"algorithm\.spo\.turns\.environment=arithmetic_dialogue would be ignored: .*\(algorithm\.adv_estimator=grpo, "
+         r"default_agent_loop=single_turn_agent\)"),
         # verl's estimators on the episode loop need the environment too.
         (["spo_algorithm=grpo", "actor_rollout_ref.rollout.agent.default_agent_loop=spo_episode"],
          r"default_agent_loop=spo_episode\) need algorithm\.spo\.turns\.environment"),

@@ -83,6 +83,14 @@ def validate_spo_run(config: Any) -> None:
     check_log_prob_micro_batches(config.actor_rollout_ref)
     if plays_episodes(config):
         check_episodes(settings.turns, rollout, config.actor_rollout_ref.model.path)
+    elif settings.turns.environment is not None:
+        raise ValueError(
+            f"algorithm.spo.turns.environment={settings.turns.environment} would be ignored: only multi-turn episodes "
+            f"use it (algorithm.spo.chain.partition=turn with spo_chain, algorithm.spo.tree.branch_at=turn with "
+            f"spo_tree, or actor_rollout_ref.rollout.agent.default_agent_loop=spo_episode), and this run "
+            f"(algorithm.adv_estimator={estimator}, default_agent_loop={agent_loop}) samples single-turn responses; "
+            f"choose one of those or drop the setting"
+        )
 
     if settings.packed_training:
         check_packed_training(config)
