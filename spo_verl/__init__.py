@@ -1,5 +1,5 @@
 """Segment Policy Optimization (SPO) for verl, in three layers (docs/LAYOUT.md): ``core`` (SPO itself, no
-verl), ``adapters`` (SPO in verl) and ``tools`` (study, report, credit command, benchmarks, CPU settings);
+verl), ``adapters`` (SPO in verl) and ``tools`` (what a launch needs: CPU settings, data, rehearsal, checks);
 ``register`` is verl's plugin entry point."""
 
 __version__ = "0.1.0"

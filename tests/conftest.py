@@ -1,5 +1,5 @@
 """Shared fixtures: one tiny Qwen2 model, and verl's own vLLM rollout server on CPU for the whole test
-session (``spo_verl/tools/testing/verl_server.py``: Ray, one standalone ``vLLMReplica`` and verl's
+session (``workbench/spo_workbench/testing/verl_server.py``: Ray, one standalone ``vLLMReplica`` and verl's
 ``LLMServerClient``; about a minute to start on two cores).
 
 The suite runs in three tiers, so that a broken unit costs minutes, not the whole run
@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from spo_verl.tools.testing import verl_server as verl_server_module
+from spo_workbench.testing import verl_server as verl_server_module
 from spo_verl.tools.cpu_settings.tiny_model import build_tiny_qwen2, build_tiny_tokenizer
 
 SERVER_FIXTURE = "verl_server"
@@ -188,7 +188,7 @@ def smollm2_cache(tmp_path_factory):
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def verl_server(tiny_model):
-    """verl's vLLM server replica for the tiny model (:class:`spo_verl.tools.testing.verl_server.VerlServer`)."""
+    """verl's vLLM server replica for the tiny model (:class:`spo_workbench.testing.verl_server.VerlServer`)."""
     server = await verl_server_module.start_verl_server(tiny_model[0])
     RUNNING_SERVERS.append(server)
     try:
@@ -207,7 +207,7 @@ def llm_client(verl_server):
 
 @pytest.fixture
 def recording_client(verl_server):
-    """A fresh :class:`spo_verl.tools.testing.verl_server.RecordingClient` around a new verl ``LLMServerClient``: calls go
+    """A fresh :class:`spo_workbench.testing.verl_server.RecordingClient` around a new verl ``LLMServerClient``: calls go
     through to verl's server; ``.calls`` records this test's calls."""
     return verl_server.recording_client()
 

@@ -1,5 +1,5 @@
-"""The benchmark command (``bash scripts/benchmark.sh``, ``spo_verl.tools.benchmarks``) cannot rot: its quick
-configuration runs here, the packed-training measurement (``python -m spo_verl.tools.benchmarks.packing --json
+"""The benchmark command (``bash scripts/benchmark.sh``, ``spo_workbench.benchmarks``) cannot rot: its quick
+configuration runs here, the packed-training measurement (``python -m spo_workbench.benchmarks.packing --json
 --quick``, verl's actor worker on CPU) counts exactly the trees' unique tokens, and a 2-2 tree through
 verl's real rollout path (the session's verl server) generates exactly its analytic token count."""
 
@@ -8,10 +8,10 @@ import re
 
 import pytest
 
-from spo_verl.tools.benchmarks import cli, tokens, tree_rollout
-from spo_verl.tools.benchmarks.report import Report, header, render
-from spo_verl.tools.benchmarks.tree_rollout import LATENCY, TreeCase
-from spo_verl.tools.benchmarks.tree_rollout_report import tree_section
+from spo_workbench.benchmarks import cli, tokens, tree_rollout
+from spo_workbench.benchmarks.report import Report, header, render
+from spo_workbench.benchmarks.tree_rollout import LATENCY, TreeCase
+from spo_workbench.benchmarks.tree_rollout_report import tree_section
 from spo_verl.core.rollout.tree import aligned_budgets
 
 in_session_loop = pytest.mark.asyncio(loop_scope="session")  # the server's client lives there
@@ -19,7 +19,7 @@ in_session_loop = pytest.mark.asyncio(loop_scope="session")  # the server's clie
 
 @pytest.fixture(scope="module")
 def packing_results():
-    """``python -m spo_verl.tools.benchmarks.packing --json --quick`` in a fresh process, once for this module."""
+    """``python -m spo_workbench.benchmarks.packing --json --quick`` in a fresh process, once for this module."""
     return cli.run_packing(quick=True, repeats=2, threads=1)
 
 
@@ -80,7 +80,7 @@ def test_analytic_counts():
     assert aligned_budgets(37, (16, 32), None) == (16, 32)
     assert tree_rollout.analytic_tree_tokens((6, 6, 6), (28, 32), 96) == 6 * 28 + 36 * 32 + 216 * 36
     paper = tokens.paper_counts()
-    assert paper["spo_tree_rows"] == 356_400 and paper["unique"] == 90_150  # the paper setting: 6-6-6 trees, 30 prompts a step (spo_verl/tools/benchmarks/tokens.py)
+    assert paper["spo_tree_rows"] == 356_400 and paper["unique"] == 90_150  # the paper setting: 6-6-6 trees, 30 prompts a step (workbench/spo_workbench/benchmarks/tokens.py)
 
 
 def test_a_case_whose_tree_does_not_fit_its_response_is_refused_when_defined():
@@ -93,10 +93,10 @@ def test_a_case_whose_tree_does_not_fit_its_response_is_refused_when_defined():
 
 def test_an_engine_iterations_cost_is_fitted_against_its_work():
     """Rounds whose iterations cost exactly 10 ms plus 0.1 ms per token of work give back (10, 0.1)."""
-    from spo_verl.tools.benchmarks.rollout import Counts, EngineStats, Side
-    from spo_verl.tools.benchmarks.timing import Comparison
-    from spo_verl.tools.benchmarks.tree_rollout import THROUGHPUT, TreeResult
-    from spo_verl.tools.benchmarks.tree_rollout_report import fitted_wall_over_work, iteration_cost
+    from spo_workbench.benchmarks.rollout import Counts, EngineStats, Side
+    from spo_workbench.benchmarks.timing import Comparison
+    from spo_workbench.benchmarks.tree_rollout import THROUGHPUT, TreeResult
+    from spo_workbench.benchmarks.tree_rollout_report import fitted_wall_over_work, iteration_cost
 
     def side(points):  # (generated tokens, iterations) per round, no prompt tokens computed
         rounds = [{"seconds": iterations * (10 + 0.1 * generated / iterations) / 1e3, "counts": Counts(1, 0, 0, generated),
@@ -152,7 +152,7 @@ async def test_tree_rollout_generates_its_analytic_count_through_verls_worker(ve
     assert re.search(r"^\| `single_turn_agent` \| [\d.]+ \| 4 \| 96 \| 96 \| .*? \| 24 / 1 \|", text, flags=re.MULTILINE)
     assert re.search(r"\| 1\. `spo_tree` 2-2 latency-bound: generated tokens = analytic count \| .*? \| hit \|", text)
     # The same section for another model is numbered apart and names its model.
-    from spo_verl.tools.benchmarks.tree_rollout_report import SMOLLM2_MODEL
+    from spo_workbench.benchmarks.tree_rollout_report import SMOLLM2_MODEL
 
     other = Report()
     tree_section(other, [result], "1b", SMOLLM2_MODEL)
@@ -168,7 +168,7 @@ async def test_tree_rollout_generates_its_analytic_count_through_verls_worker(ve
 def test_the_step_section_says_what_the_credit_metrics_cost_against_the_same_step():
     """The step benchmark's runs train through verl's trainer (minutes each); the section is checked on
     their result's shape: the credit metrics' share of the packed run's step against its target."""
-    from spo_verl.tools.benchmarks.step import PACKED, PER_ROW, PHASES
+    from spo_workbench.benchmarks.step import PACKED, PER_ROW, PHASES
 
     def run(configuration, step_seconds, credit_share):
         return {"algorithm": "spo_tree", "configuration": configuration, "phases": {p: step_seconds for p in PHASES},
@@ -188,7 +188,7 @@ def test_the_step_section_says_what_the_credit_metrics_cost_against_the_same_ste
 
 
 def test_a_memory_case_reports_its_peak_above_the_reset_mark_never_below_it():
-    from spo_verl.tools.benchmarks.timing import measure_memory_case
+    from spo_workbench.benchmarks.timing import measure_memory_case
 
     idle = measure_memory_case(lambda: (lambda: None))
     assert idle["peak_mib"] >= 0  # nothing allocated: 0, never the "-0" of a baseline read before the reset

@@ -9,7 +9,7 @@ from verl.utils.config import omega_conf_to_dataclass
 import spo_verl.register  # noqa: F401
 from spo_verl.core.config import SPOConfigError, parse_spo_settings, tree_segment_budgets
 from spo_verl.adapters.policy_loss import SPOPolicyLossConfig
-from spo_verl.tools.testing.verl_harness import compose_ppo_trainer
+from spo_workbench.testing.verl_harness import compose_ppo_trainer
 
 
 

@@ -196,7 +196,7 @@ def test_the_calibration_plays_the_dialogue_tasks_episodes_to_their_end(built, t
 
     table = tmp_path / "calibration.csv"
     result = subprocess.run(
-        [sys.executable, "-m", "spo_verl.tools.study.calibration", "--tasks", "dialogue3", "--problems", "3",
+        [sys.executable, "-m", "spo_workbench.study.calibration", "--tasks", "dialogue3", "--problems", "3",
          "--samples", "2", "--cache", str(built["folder"]), "--csv", str(table)],
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -206,6 +206,6 @@ def test_the_calibration_plays_the_dialogue_tasks_episodes_to_their_end(built, t
     greedy, sampled = float(row["greedy_accuracy"]), float(row["sampled_accuracy"])
     assert greedy * 3 == round(greedy * 3) and sampled * 6 == round(sampled * 6)  # whole episodes, rewards 0 or 1
     assert sampled <= float(row["pass_at_2"]) <= 1 and float(row["mixed_groups"]) <= float(row["pass_at_2"])
-    mixing = subprocess.run([sys.executable, "-m", "spo_verl.tools.study.calibration", "--tasks", "dialogue3,add_add"],
+    mixing = subprocess.run([sys.executable, "-m", "spo_workbench.study.calibration", "--tasks", "dialogue3,add_add"],
                             capture_output=True, text=True, timeout=120)
     assert mixing.returncode == 2 and "apart from the single-turn ones" in mixing.stderr

@@ -122,7 +122,7 @@ def test_online_metrics_of_a_step_name_every_measure_and_leave_out_what_is_undef
 
 
 def test_value_check_prefixes_cover_boundaries_and_both_sides_of_the_first_error_round_robin():
-    from spo_verl.tools.credit.values import Prefix, choose_prefixes
+    from spo_workbench.credit.values import Prefix, choose_prefixes
 
     boundaries = [[0, 4, 9], [0, 3], [0, 5], [0, 2]]
     first_errors = [6, None, 3, None]
@@ -138,7 +138,7 @@ def test_value_check_prefixes_cover_boundaries_and_both_sides_of_the_first_error
 
 
 def test_value_check_summary_bias_spread_and_the_change_across_the_error():
-    from spo_verl.tools.credit.values import ValueRow, steps, summary
+    from spo_workbench.credit.values import ValueRow, steps, summary
 
     def row(rid, reward, error, length, kind, estimate, reference):
         return ValueRow("p", rid, reward, error, length, kind, estimate, 4, reference, 32)
@@ -175,7 +175,7 @@ async def test_tree_and_grpo_advantages_of_the_same_leaves_through_verl(llm_clie
     import statistics
 
     from spo_verl.core.algorithms import tree_advantages, tree_values
-    from spo_verl.tools.credit.rollouts import TreeSetup, rollout_config, sample_rollouts, tree_and_grpo_responses
+    from spo_workbench.credit.rollouts import TreeSetup, rollout_config, sample_rollouts, tree_and_grpo_responses
 
     model_dir, tokenizer = tiny_model
     setup = TreeSetup("test", (3, 2), (6,))
@@ -246,8 +246,8 @@ async def test_chain_and_grpo_advantages_of_the_same_chains_and_their_values_che
     the chosen prefixes with the estimate's and the reference's numbers of continuations."""
     import statistics
 
-    from spo_verl.tools.credit.rollouts import ChainSetup, chain_and_grpo_responses, rollout_config, sample_rollouts
-    from spo_verl.tools.credit.values import choose_prefixes, value_prefixes
+    from spo_workbench.credit.rollouts import ChainSetup, chain_and_grpo_responses, rollout_config, sample_rollouts
+    from spo_workbench.credit.values import choose_prefixes, value_prefixes
 
     model_dir, tokenizer = tiny_model
     setup = ChainSetup("test", responses=3, cutpoint_interval=1, mc_samples=2)
@@ -295,13 +295,13 @@ async def test_chain_and_grpo_advantages_of_the_same_chains_and_their_values_che
 @in_session_loop
 async def test_the_credit_command_measures_tree_chain_and_grpo_on_the_same_responses(llm_client, cpu_tiny_cache, tmp_path,
                                                                                      monkeypatch):
-    """``python -m spo_verl.tools.credit --quick`` on verl's server: its task measured (trees and chains
+    """``python -m spo_workbench.credit --quick`` on verl's server: its task measured (trees and chains
     through the agent loops, every estimator through verl's advantage step, the value check) and kept as
     the sweep keeps a finished task, then the command itself, which keeps that task and writes the
     sweep's files. The session's server serves the cpu-tiny setting's model without its fine-tuning, so
     here the answers are wrong and unplaced; the page's example is checked on placed ones below."""
     from spo_verl.adapters.cpu_platform.environment import cpu_run_env
-    from spo_verl.tools.credit.__main__ import QUICK_SETUPS, ValueCheck, keep_task, main, measure_task, tiny_task
+    from spo_workbench.credit.__main__ import QUICK_SETUPS, ValueCheck, keep_task, main, measure_task, tiny_task
 
     monkeypatch.setenv("SPO_CPU_CACHE", str(cpu_tiny_cache))
     for key, value in cpu_run_env().items():  # what the command sets, restored after the test
@@ -353,9 +353,9 @@ async def test_the_credit_command_measures_tree_chain_and_grpo_on_the_same_respo
 
 def test_the_tables_recompute_from_responses_csv(tmp_path):
     """responses.csv holds everything the measures need: read back, it gives the same summary."""
-    from spo_verl.tools.credit.__main__ import (Task, read_responses, summary_rows, write_responses, write_summary,
+    from spo_workbench.credit.__main__ import (Task, read_responses, summary_rows, write_responses, write_summary,
                                                 write_views)
-    from spo_verl.tools.credit.rollouts import TreeSetup
+    from spo_workbench.credit.rollouts import TreeSetup
 
     task = Task("steps3", 3, "model", [], 0, 0, {})
     setup = TreeSetup("study", (2, 2), (10,))

@@ -264,7 +264,7 @@ README_STEPS = 2  # of the setting's 4: each SmolLM2 step costs about a minute o
 # The run's problems (SMOLLM2_TASK): SPO-tree trains nothing in a step whose trees' leaves all agree, and
 # the test needs an update to check the tied head's sync. The default task's samples agree on 62 % of
 # prompts, so both steps' 8 trees agreed in about 2 % of runs (a CI run failed so); add_add's agree on
-# 36 % (`python -m spo_verl.tools.study.calibration --tasks add_add`), so about 3 in 10,000 runs train nothing.
+# 36 % (`python -m spo_workbench.study.calibration --tasks add_add`), so about 3 in 10,000 runs train nothing.
 README_TASK = "add_add"
 
 
@@ -454,7 +454,7 @@ def _assert_dialogues_told_apart_in_validation_dumps(dumps: Path, val_file: Path
     import pandas as pd
 
     from spo_verl.adapters.agent_loops.sessions import row_problem
-    from spo_verl.tools.study.table import read_dump
+    from spo_workbench.study.table import read_dump
 
     rows = {row_problem(row) for row in pd.read_parquet(val_file).to_dict("records")}
     written = sorted(dumps.glob("*.jsonl"))
@@ -812,9 +812,9 @@ def test_the_studys_runs_train_on_the_v1_trainer(runs, algorithm):
 def test_the_studys_finished_runs_archive_and_restore_to_the_same_verdict_and_table(runs, tmp_path):
     """The study's real runs kept small (records and one score CSV each) and put back elsewhere: the
     verdict and the table read the same numbers from the restored runs as from the runs."""
-    from spo_verl.tools.study import table as study_table
-    from spo_verl.tools.study.archive import restore, save
-    from spo_verl.tools.study.verdict import study_at_budget
+    from spo_workbench.study import table as study_table
+    from spo_workbench.study.archive import restore, save
+    from spo_workbench.study.verdict import study_at_budget
 
     study: Study = runs["study"]
     assert save(study.output, tmp_path / "archive") == [tmp_path / "archive" / a / "seed0" for a in sorted(STUDY_ALGORITHMS)]

@@ -222,7 +222,7 @@ def test_tree_estimator_is_bit_exact_with_the_tree_rows_and_its_errors_name_the_
     """The estimator's fast reading of the rows (and its one-tree-per-uid check) against the row by
     row version: the benchmark's tree batch with padding and an early-stopped leaf, then bad rows."""
     from spo_verl.core.algorithms.tree_rows import tree_token_advantages
-    from spo_verl.tools.benchmarks.maths import tree_batch
+    from spo_workbench.benchmarks.maths import tree_batch
 
     data = tree_batch(quick=True)
     rows = [dict(row) for row in data.rows]

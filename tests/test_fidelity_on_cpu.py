@@ -31,7 +31,7 @@ from spo_verl.core.rollout.chain import (
     monte_carlo_value,
     segment_starts,
 )
-from spo_verl.tools.testing.verl_harness import compose_ppo_trainer, loss_batch, run_sessions
+from spo_workbench.testing.verl_harness import compose_ppo_trainer, loss_batch, run_sessions
 from spo_verl.adapters.trainer.common import batch_metrics
 
 in_session_loop = pytest.mark.asyncio(loop_scope="session")  # the server's client lives there

@@ -1,4 +1,4 @@
-"""The prepared GPU check (``bash scripts/gpu_check.sh``, spo_verl/tools/benchmarks/gpu_check.py) in its dry run: the
+"""The prepared GPU check (``bash scripts/gpu_check.sh``, workbench/spo_workbench/benchmarks/gpu_check.py) in its dry run: the
 code the GPU runs, on the CPU with tiny shapes in float32. Its rows are in the targets table's shape, its CSV
 has every column and every figure of its Markdown (the Markdown re-rendered from the CSV alone is the same
 text), and packed equals per-row to float32 tolerance in every case. Without a CUDA device and without
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from spo_verl.tools.benchmarks import gpu_report
-from spo_verl.tools.benchmarks.gpu_check import COLUMNS, read_csv
-from spo_verl.tools.benchmarks.gpu_packing import CASES
+from spo_workbench.benchmarks import gpu_report
+from spo_workbench.benchmarks.gpu_check import COLUMNS, read_csv
+from spo_workbench.benchmarks.gpu_packing import CASES
 
 REPO = Path(__file__).resolve().parents[1]
 HEADER = "| measurement | target | measured | result |"
@@ -115,7 +115,7 @@ def test_record_puts_the_rows_after_the_targets_and_replaces_earlier_ones(dry_ru
     assert refused.returncode == 2 and "dry run" in refused.stderr and page.read_text() == original
     gpu_run = tmp_path / "gpu_check.csv"
     rows = [{**row, "dry_run": "0", "device_memory_gib": "139.8"} for row in read_csv(output / "gpu_check.csv")]
-    from spo_verl.tools.benchmarks.gpu_check import write_csv
+    from spo_workbench.benchmarks.gpu_check import write_csv
     write_csv(gpu_run, rows)
     for _ in range(2):  # recording twice leaves one block
         result = gpu_check("--record", str(gpu_run), "--into", str(page))
@@ -138,7 +138,7 @@ def test_record_puts_the_rows_after_the_targets_and_replaces_earlier_ones(dry_ru
 
 
 def test_share_sweep_puts_grpo_groups_at_each_packed_share(tmp_path):
-    from spo_verl.tools.benchmarks.gpu_packing import SHARE_SWEEP, SWEEP_RESPONSE, SWEEP_SHARES, sweep_prompt
+    from spo_workbench.benchmarks.gpu_packing import SHARE_SWEEP, SWEEP_RESPONSE, SWEEP_SHARES, sweep_prompt
 
     # The prompt lengths give the shares (on the GPU: 1,024-token responses, eight a group).
     for share, case in zip(SWEEP_SHARES, SHARE_SWEEP, strict=True):
@@ -159,7 +159,7 @@ def test_a_missing_package_is_named_before_anything_runs(tmp_path):
     """A GPU machine's Python without omegaconf (as the H200 the check first ran on): one line naming it."""
     script = ("import sys; sys.modules['omegaconf'] = None; import importlib.util as u; real = u.find_spec; "
               "u.find_spec = lambda name, *a: None if name == 'omegaconf' else real(name, *a); "
-              "from spo_verl.tools.benchmarks.gpu_check import main; sys.exit(main(sys.argv[1:]))")
+              "from spo_workbench.benchmarks.gpu_check import main; sys.exit(main(sys.argv[1:]))")
     result = subprocess.run([sys.executable, "-c", script, "--dry-run", "--output", str(tmp_path / "out")], cwd=REPO,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2

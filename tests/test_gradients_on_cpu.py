@@ -70,7 +70,7 @@ def test_the_tokens_each_estimator_needs_to_match_grpo_at_its_largest_budget(tmp
     chain never does."""
     import csv
 
-    from spo_verl.tools.credit import gradients
+    from spo_workbench.credit import gradients
 
     columns = ["kind", "policy", "prompt_set", "parameters", "estimator", "budget", "prompt_uid", "tokens",
                "corrected_cosine"]
@@ -240,7 +240,7 @@ def test_the_halves_correction_recovers_the_cosine_with_the_true_gradient(policy
 
 @pytest.mark.asyncio(loop_scope="session")  # verl's server client lives in the session loop
 async def test_the_quick_measurement_writes_every_draw_and_resumes(llm_client, cpu_tiny_cache, tmp_path, monkeypatch):
-    """``python -m spo_verl.tools.credit.gradients --quick`` on the session's server (the cpu-tiny cache
+    """``python -m spo_workbench.credit.gradients --quick`` on the session's server (the cpu-tiny cache
     around the untrained tiny model, so a toy reward that varies: an even number of characters): every
     estimator's draws through the agent loops, verl's advantage step and policy loss, one row each with
     its cosine and corrected cosine; each prompt's reference row with its halves' cosine; started again,
@@ -248,8 +248,8 @@ async def test_the_quick_measurement_writes_every_draw_and_resumes(llm_client, c
     import csv
 
     from spo_verl.adapters.cpu_platform.environment import cpu_run_env
-    from spo_verl.tools.credit import gradients
-    from spo_verl.tools.credit.gradient_draws import sampling_key
+    from spo_workbench.credit import gradients
+    from spo_workbench.credit.gradient_draws import sampling_key
 
     monkeypatch.setenv("SPO_CPU_CACHE", str(cpu_tiny_cache))
     for key, value in cpu_run_env().items():
@@ -333,7 +333,7 @@ def test_an_estimators_gradient_is_minus_the_policy_loss_gradient_pushed_through
     two-pass computation gives that, whatever the chunk, for every parameter or the last blocks only."""
     from transformers import AutoModelForCausalLM
 
-    from spo_verl.tools.credit.gradient_draws import Row, _token_log_probs, estimator_gradient, trainable
+    from spo_workbench.credit.gradient_draws import Row, _token_log_probs, estimator_gradient, trainable
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model[0], torch_dtype=torch.float32).eval()
     generator = torch.Generator().manual_seed(0)
@@ -370,7 +370,7 @@ async def test_prompts_are_chosen_by_the_declared_rule_screen_then_a_reliable_re
     import dataclasses
 
     from spo_verl.adapters.cpu_platform.environment import cpu_run_env
-    from spo_verl.tools.credit import gradients
+    from spo_workbench.credit import gradients
 
     monkeypatch.setenv("SPO_CPU_CACHE", str(cpu_tiny_cache))
     for key, value in cpu_run_env().items():
@@ -416,7 +416,7 @@ def test_rows_that_share_their_prompt_encode_it_once_and_get_the_per_row_gradien
     the log-probabilities are the rows' own."""
     from transformers import AutoModelForCausalLM
 
-    from spo_verl.tools.credit.gradient_draws import (Row, _token_log_probs, estimator_gradient, shared_prefix,
+    from spo_workbench.credit.gradient_draws import (Row, _token_log_probs, estimator_gradient, shared_prefix,
                                                       trainable)
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model[0], torch_dtype=torch.float32).eval()

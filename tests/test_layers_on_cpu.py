@@ -1,6 +1,8 @@
 """The package's three layers (docs/LAYOUT.md) and the direction of their imports: the SPO core imports
 neither verl nor vLLM, Ray or TransferQueue, nor anything of the package outside the core; the verl
-adapters import no tool; only tools and tests import the test harness (``spo_verl.tools.testing``)."""
+adapters import no tool; nothing of the installed package imports the repository's workbench
+(``spo_workbench``: studies, report, credit command, benchmarks, test harness), and a wheel built from
+``pyproject.toml`` holds none of it."""
 
 import ast
 import re
@@ -10,6 +12,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "spo_verl"
+WORKBENCH = REPO / "workbench" / "spo_workbench"
 
 # Each layer is a folder of the package; at its top only the package itself and verl's plugin entry point.
 CORE, ADAPTERS, TOOLS = "spo_verl.core", "spo_verl.adapters", "spo_verl.tools"
@@ -17,8 +20,8 @@ ENTRY_POINTS = {"spo_verl", "spo_verl.register"}
 FRAMEWORKS = ("verl", "vllm", "ray", "transfer_queue")
 
 
-def _name(path: Path) -> str:
-    return ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+def _name(path: Path, root: Path = REPO) -> str:
+    return ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
 
 
 def _layer(module: str) -> str:
@@ -42,6 +45,7 @@ def _imports(path: Path) -> set[str]:
 
 
 MODULES = {_name(path): _imports(path) for path in sorted(PACKAGE.rglob("*.py"))}
+WORKBENCH_MODULES = {_name(path, WORKBENCH.parent): _imports(path) for path in sorted(WORKBENCH.rglob("*.py"))}
 
 
 def test_every_module_lies_in_a_layers_folder_but_the_entry_points():
@@ -68,19 +72,48 @@ def test_importing_the_whole_core_loads_no_framework():
     assert loaded.stdout.strip() == "[]"
 
 
-def test_adapters_import_no_tool_and_only_tools_import_the_test_harness():
+def test_adapters_import_no_tool_and_the_package_imports_no_workbench_module():
     adapter_to_tool = {(module, imported) for module, imports in MODULES.items() if _layer(module) == "adapter"
                        for imported in imports if imported.startswith("spo_verl.") and _layer(imported) == "tool"}
     assert not adapter_to_tool, sorted(adapter_to_tool)
-    harness_users = {module for module, imports in MODULES.items()
-                     if any(imported.startswith("spo_verl.tools.testing") for imported in imports)}
-    assert all(_layer(module) == "tool" for module in harness_users), sorted(harness_users)
+    assert {"spo_workbench.testing.verl_server", "spo_workbench.credit.gradients",
+            "spo_workbench.study.compare", "spo_workbench.benchmarks.gpu_check"} <= set(WORKBENCH_MODULES)
+    to_workbench = {(module, imported) for module, imports in MODULES.items() for imported in imports
+                    if imported.split(".")[0] == "spo_workbench"}
+    assert not to_workbench, sorted(to_workbench)
+    recipe = {(str(path.relative_to(REPO)), imported) for path in sorted((REPO / "recipe").rglob("*.py"))
+              for imported in _imports(path) if imported.split(".")[0] == "spo_workbench"}
+    assert not recipe, sorted(recipe)
+
+
+def test_a_wheel_of_the_plugin_holds_the_plugin_and_no_workbench_module(tmp_path):
+    import shutil
+    import zipfile
+
+    # Built from a copy of what the project's packaging reads, so no earlier build folder can add to it.
+    source = tmp_path / "source"
+    shutil.copytree(PACKAGE, source / "spo_verl", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(WORKBENCH.parent, source / "workbench", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--wheel-dir", str(tmp_path / "wheel"), str(source)], check=True, capture_output=True, timeout=300)
+    (wheel,) = (tmp_path / "wheel").glob("spo_verl-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    modules = {name.removesuffix(".py").replace("/", ".") for name in names if name.endswith(".py")}
+    assert {"spo_verl.register", "spo_verl.adapters.estimators", "spo_verl.adapters.cpu_platform.platform",
+            "spo_verl.tools.cpu_settings.smollm2", "spo_verl.tools.data.prepare", "spo_verl.tools.run_summary",
+            "spo_verl.tools.gpu_environment"} <= modules
+    assert not [m for m in modules if m.split(".")[0] != "spo_verl"]
+    assert not [m for m in modules if m.startswith(("spo_verl.tools.study", "spo_verl.tools.report",
+                                                    "spo_verl.tools.credit", "spo_verl.tools.benchmarks",
+                                                    "spo_verl.tools.testing"))]
 
 
 def test_every_file_of_the_package_the_docs_name_exists_and_has_the_lines_they_cite():
     cited = set()
     for doc in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md")), *sorted((REPO / "recipe").rglob("*.md"))]:
-        for path, line in re.findall(r"(spo_verl/[\w/]+\.py)(?::(\d+))?", doc.read_text()):
+        for path, line in re.findall(r"((?:spo_verl|workbench/spo_workbench)/[\w/]+\.py)(?::(\d+))?", doc.read_text()):
             cited.add((doc.name, path, int(line or 0)))
     assert len(cited) > 50
     missing = sorted((doc, path) for doc, path, _ in cited if not (REPO / path).is_file())

@@ -29,14 +29,14 @@ import pytest
 CHECK = textwrap.dedent(
     r"""
     import json, random, sys
-    from spo_verl.tools.testing.verl_engine import (start_process_group, build_actor_worker, tree_training_batch,
+    from spo_workbench.testing.verl_engine import (start_process_group, build_actor_worker, tree_training_batch,
                                                     parameter_gradients)
     start_process_group()
     import torch, verl
     from transformers import AutoTokenizer
     from verl.workers.utils.padding import no_padding_2_padding
     from spo_verl.adapters.packing.engine import PackedTrainingSettings, enable_packed_training
-    from spo_verl.tools.testing.random_trees import tree_2_2, tree_2_2_2, tree_3_3_early, tree_one_leaf
+    from spo_workbench.testing.random_trees import tree_2_2, tree_2_2_2, tree_3_3_early, tree_one_leaf
 
     model_dir = sys.argv[1]
     torch.set_num_threads(1)

@@ -13,7 +13,7 @@ import spo_verl.register  # noqa: F401
 from spo_verl.core.algorithms import probability_mask, reference_policy_loss, whiten_over_mask
 from spo_verl.core.config import SPOConfigError
 from spo_verl.adapters.policy_loss import SPOPolicyLossConfig, spo_ppo_loss
-from spo_verl.tools.testing.verl_harness import loss_batch
+from spo_workbench.testing.verl_harness import loss_batch
 
 ADVANTAGES = torch.tensor([[0.1, 0.1, 0.1], [0.3, 0.3, 0.0]])
 RESPONSE_MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])

@@ -22,7 +22,7 @@ def test_every_script_and_module_the_readme_runs_exists():
     scripts = {m for c in commands for m in re.findall(r"bash (scripts/[\w./-]+\.sh)", c)}
     modules = {m for c in commands for m in re.findall(r"python -m ([\w.]+)", c)}
     assert {"scripts/setup_env.sh", "scripts/run_tests.sh", "scripts/run_spo_tree.sh", "scripts/compare.sh"} <= scripts
-    assert "spo_verl.tools.report" in modules
+    assert "spo_workbench.report" in modules
     missing = sorted(s for s in scripts if not (REPO / s).is_file())
     assert not missing, f"the docs run scripts that do not exist: {missing}"
     for module in modules:

@@ -1,4 +1,4 @@
-"""python -m spo_verl.tools.report on small recorded runs: every plot, CSV and the HTML page are produced, the
+"""python -m spo_workbench.report on small recorded runs: every plot, CSV and the HTML page are produced, the
 numbers are the ones recorded, and the page rendered by a real headless browser (Debian's chromium)
 is not blank and shows the segments and the tree it was given.
 
@@ -151,14 +151,14 @@ def recorded_runs(tmp_path_factory):
     monkeypatch.undo()
     output = root / "report"
     arguments = [argument for label, (metrics, samples) in runs.items() for argument in ("--run", f"{label}={metrics},{samples}")]
-    result = subprocess.run([sys.executable, "-m", "spo_verl.tools.report", *arguments, "--output", str(output),
+    result = subprocess.run([sys.executable, "-m", "spo_workbench.report", *arguments, "--output", str(output),
                              "--title", "SPO on a recorded run"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return output
 
 
 def test_generated_tokens_prefer_the_runs_own_count():
-    from spo_verl.tools.report.runs import generated_tokens
+    from spo_workbench.report.runs import generated_tokens
 
     step = training_step(0.5, 1.0, 1000, 10.0, 15.0)
     assert generated_tokens(step) == 600  # 1000 / (10 + 15) = 40 rows of 15 response tokens
@@ -169,7 +169,7 @@ def test_generated_tokens_prefer_the_runs_own_count():
 
 
 def test_a_resumed_runs_sample_log_keeps_one_record_a_step_the_later_one(tmp_path):
-    from spo_verl.tools.report.runs import read_samples
+    from spo_workbench.report.runs import read_samples
 
     # The stopped attempt logged steps 1-3 (checkpoint at 2); the resumed one logged 3 and 4 again.
     records = [{"step": 1, "attempt": 1}, {"step": 2, "attempt": 1}, {"step": 3, "attempt": 1},
@@ -191,7 +191,7 @@ def test_the_turns_command_reads_each_runs_final_attempt_as_the_study_csv_keeps_
     import csv
     import os
 
-    from spo_verl.tools.credit import turns
+    from spo_workbench.credit import turns
 
     runs = Path(__file__).resolve().parents[1] / "docs" / "results" / "study4" / "runs"
     old = os.getcwd()
@@ -212,7 +212,7 @@ def test_the_turns_command_reads_each_runs_final_attempt_as_the_study_csv_keeps_
 
 
 def test_the_algorithm_is_told_from_the_sample_log_or_the_metrics():
-    from spo_verl.tools.report.runs import algorithm_of
+    from spo_workbench.report.runs import algorithm_of
 
     tree = {1: {"spo/tree/trees": 4.0}}
     cutpoint = {1: {"spo/tree/trees": 4.0, "spo/tree/paths_per_tree": 3.0}}
@@ -348,7 +348,7 @@ def test_seeds_of_one_algorithm_are_summarised_with_their_standard_error(tmp_pat
     """Runs labelled NAME/seed<k> are one group: results.csv has the seed, groups.csv the mean and the
     standard error over seeds of the final and best held-out accuracy (best counts validations after
     step 0 only), and the base model's accuracy (step 0)."""
-    from spo_verl.tools.report.__main__ import build_report
+    from spo_workbench.report.__main__ import build_report
 
     finals = {"spo_tree": [0.30, 0.40, 0.50], "grpo": [0.20, 0.30]}
     arguments = []
@@ -389,7 +389,7 @@ def test_seeds_of_one_algorithm_are_summarised_with_their_standard_error(tmp_pat
 
 
 def test_an_episode_is_drawn_turn_by_turn_with_the_environments_tokens_set_apart():
-    from spo_verl.tools.report.page import _response_block
+    from spo_workbench.report.page import _response_block
 
     response = {"uid": "u", "prompt": "Start with 7. Add 3 to that.", "tokens": list("10|-2|8|"),
                 "probs": [0.5] * 8, "in_prob_mask": [1, 1, 1, 0, 0, 0, 1, 1], "advantages": [0.25] * 3 + [0.0] * 3 + [0.5] * 2,
@@ -416,7 +416,7 @@ def test_multi_turn_runs_get_the_blame_per_turn_from_their_sample_logs(tmp_path,
     """Two seeds of an SPO-chain run over turns, each logging one dialogue that goes wrong at turn 2 after
     a right turn 1: turns_credit.csv lists every turn with its credit, the page tables it per algorithm,
     and the runs without a multi-turn episode get neither."""
-    from spo_verl.tools.report.__main__ import build_report
+    from spo_workbench.report.__main__ import build_report
 
     prompt = "Start with 16. Subtract 9 from that."
     turn1, reply, turn2 = "16 - 9 = 7|", "Add 4 to that.", "7 + 4 = 12|"

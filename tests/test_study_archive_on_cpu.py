@@ -4,9 +4,9 @@ them, with the same results; unfinished runs are not archived, and nothing is ov
 import csv
 import json
 
-from spo_verl.tools.study import table as study_table
-from spo_verl.tools.study.archive import main, problem_key, restore, save
-from spo_verl.tools.study.verdict import study_at_budget
+from spo_workbench.study import table as study_table
+from spo_workbench.study.archive import main, problem_key, restore, save
+from spo_workbench.study.verdict import study_at_budget
 
 KEY = "val-core/arithmetic/acc/mean@1"
 PROMPTS = ["What is 1 + 2?", "What is 3 + 4?", "What is 5 + 6?"]

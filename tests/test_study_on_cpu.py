@@ -1,4 +1,4 @@
-"""The study command's bookkeeping (spo_verl.tools.study.compare): options, attempts merged step by step, the tokens a
+"""The study command's bookkeeping (spo_workbench.study.compare): options, attempts merged step by step, the tokens a
 resumed run has already spent. The command itself, killed and resumed through verl's trainer, is in
 test_end_to_end_on_cpu."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from spo_verl.tools.study import compare as study
+from spo_workbench.study import compare as study
 from spo_verl.tools.metrics_log import read_logged_steps
 
 REPO = Path(__file__).resolve().parents[1]

@@ -7,9 +7,9 @@ import shutil
 
 import pytest
 
-from spo_verl.tools.study import archive
-from spo_verl.tools.study import table as study_table
-from spo_verl.tools.study.archive import problem_key
+from spo_workbench.study import archive
+from spo_workbench.study import table as study_table
+from spo_workbench.study.archive import problem_key
 
 
 def write_run(folder, base, final, final_step=10):
@@ -136,10 +136,10 @@ def test_the_study_writes_its_table_and_answers_beside_the_report(tmp_path):
 
 
 def test_the_calibration_table_is_written_as_csv_with_every_figure(tmp_path):
-    """``python -m spo_verl.tools.study.calibration --csv``: one row per task, the table's figures as measured."""
+    """``python -m spo_workbench.study.calibration --csv``: one row per task, the table's figures as measured."""
     import csv
 
-    from spo_verl.tools.study.calibration import write_csv
+    from spo_workbench.study.calibration import write_csv
 
     result = {"problems": 128, "samples": 4, "tasks": {
         "steps2": {"example": "What is 3 + 4 + 2?", "greedy_accuracy": 0.5, "greedy_se": 0.04, "pass_at_4": 0.75},

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from spo_verl.tools.study.verdict import Arm, arms, at_budget, main, paired, t_quantile, validations
+from spo_workbench.study.verdict import Arm, arms, at_budget, main, paired, t_quantile, validations
 
 
 def test_accuracy_at_the_budget_is_interpolated_between_the_validations_around_it():
@@ -110,7 +110,7 @@ def test_the_tuning_rule_takes_each_algorithms_best_rate_and_the_lower_one_on_a_
     the highest accuracy at the budget, a tie to the lower rate, a run short of the budget no candidate."""
     from pathlib import Path
 
-    from spo_verl.tools.study import tuning
+    from spo_workbench.study import tuning
 
     study3 = Path(__file__).resolve().parents[1] / "docs" / "results" / "study3"
     rates = [f"{lr}={study3 / f'tune_lr{lr}.csv'}" for lr in ("5e-6", "1e-5", "2e-5")]
@@ -125,7 +125,7 @@ def test_the_tuning_rule_takes_each_algorithms_best_rate_and_the_lower_one_on_a_
 
 
 def test_the_paired_plot_draws_each_comparison_with_its_interval(tmp_path):
-    from spo_verl.tools.study.verdict_plot import plot_paired
+    from spo_workbench.study.verdict_plot import plot_paired
 
     at = {("spo", s): 0.30 + 0.01 * s for s in range(4)}
     at.update({("grpo", s): 0.20 + 0.02 * s for s in range(4)})
@@ -142,7 +142,7 @@ def test_the_paired_plot_draws_each_comparison_with_its_interval(tmp_path):
 def test_a_run_that_trained_past_its_budgets_step_is_named(tmp_path, capsys):
     """Over its attempts: 400 tokens a step against a 1,000-token budget choose step 3 (400 + 400 + 400 >= 1,000
     after step 2), so a run that ended at step 4 trained one step too many."""
-    from spo_verl.tools.study.verdict import runs_past_their_budget
+    from spo_workbench.study.verdict import runs_past_their_budget
 
     key = "val-core/openai/gsm8k/acc/mean@1"
     for name, steps in (("kept", 3), ("over", 4)):

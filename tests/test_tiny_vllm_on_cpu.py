@@ -1,7 +1,7 @@
 """verl's own vLLM server on CPU (a standalone vLLMReplica, requested through verl's LLMServerClient):
 request handling, log-probs against a transformers forward pass, continuation from a prefix.
 
-The server (tiny random Qwen2, built locally) is the session fixture of conftest.py (spo_verl/tools/testing/verl_server.py).
+The server (tiny random Qwen2, built locally) is the session fixture of conftest.py (workbench/spo_workbench/testing/verl_server.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
-MAX_MODEL_LEN = 1024  # as the session server (spo_verl/tools/testing/verl_server.py)
+MAX_MODEL_LEN = 1024  # as the session server (workbench/spo_workbench/testing/verl_server.py)
 PROMPT_LENGTH, RESPONSE_LENGTH = 64, 48  # ditto: verl's server derives the default max_tokens from them
 
 

@@ -408,9 +408,9 @@ def test_the_per_turn_blame_leaves_out_episodes_wrong_from_their_first_turn():
 @pytest.mark.parametrize("estimator", ["spo_chain", "grpo"])
 def test_the_turns_credit_tool_reads_the_dialogues_back_from_the_sample_log(estimator, tmp_path, capsys):
     """The same two episodes through the legacy trainer's sample log, read back by
-    ``python -m spo_verl.tools.credit.turns``: each turn's credit, the first wrong turn, the table."""
+    ``python -m spo_workbench.credit.turns``: each turn's credit, the first wrong turn, the table."""
     from spo_verl.adapters.trainer.legacy import after_legacy_advantages
-    from spo_verl.tools.credit import turns
+    from spo_workbench.credit import turns
 
     data = dialogue_batch(estimator)
     trainer = object.__new__(SPORayPPOTrainer)
@@ -443,7 +443,7 @@ def test_the_turns_credit_tool_reads_the_dialogues_back_from_the_sample_log(esti
 def test_the_turns_credit_tool_shows_a_shared_turns_advantage_on_every_leaf_through_it():
     """A tree trains a first turn its leaves share on one leaf's row (0 in the others' advantages); what
     the estimator said of this leaf's turn 1 is still its node's advantage."""
-    from spo_verl.tools.credit.turns import turn_credits
+    from spo_workbench.credit.turns import turn_credits
 
     turn1, turn2 = "16 - 9 = 7|", "7 + 4 = 12|"
     tokens = list(turn1 + DIALOGUE_REPLY + turn2)

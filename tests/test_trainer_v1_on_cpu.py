@@ -322,7 +322,7 @@ def test_the_replay_buffer_looks_for_finished_rollouts_often():
     step's generation up to the next 2 s; the SPO trainer's polls every ROLLOUT_POLL_S."""
     from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
 
-    from spo_verl.tools.testing.verl_harness import compose_ppo_trainer
+    from spo_workbench.testing.verl_harness import compose_ppo_trainer
     from spo_verl.adapters.trainer.v1 import ROLLOUT_POLL_S, SPOTrainer
 
     trainer = object.__new__(SPOTrainer)

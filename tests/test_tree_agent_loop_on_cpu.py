@@ -17,7 +17,7 @@ from spo_verl.adapters.trainer.common import batch_metrics, episodes_from_extra_
 from spo_verl.core.algorithms import tree_advantages, tree_values
 from spo_verl.core.batch_context import provide_spo_rows
 from spo_verl.core.rollout.tree import block_aligned_budget, sample_tree
-from spo_verl.tools.testing.verl_harness import compose_ppo_trainer, make_agent_loop, run_sessions
+from spo_workbench.testing.verl_harness import compose_ppo_trainer, make_agent_loop, run_sessions
 
 in_session_loop = pytest.mark.asyncio(loop_scope="session")  # the server's client lives there
 

@@ -36,7 +36,7 @@ from spo_verl.core.packing import (
     packed_row_log_probs,
 )
 from spo_verl.core.packing import cascade_attention as cascade_module
-from spo_verl.tools.testing.random_trees import TREES, Tree, tree_2_2, tree_2_2_2, tree_3_3_early, tree_one_leaf
+from spo_workbench.testing.random_trees import TREES, Tree, tree_2_2, tree_2_2_2, tree_3_3_early, tree_one_leaf
 
 VOCAB = 61
 

@@ -40,14 +40,14 @@ keep_report() {  # keep_report REPORT_DIR HERE FILE...: copy each file the repor
 restore_runs() {
   local archive
   for archive in "${!archives[@]}"; do
-    (cd "$repo" && "$python" -m spo_verl.tools.study.archive restore --archive "$archive" --output-dir "${archives[$archive]}")
+    (cd "$repo" && "$python" -m spo_workbench.study.archive restore --archive "$archive" --output-dir "${archives[$archive]}")
   done
 }
 
 archive_finished() {  # archive and commit every run that finished since the last call, one commit a run
   local archive folder
   for archive in "${!archives[@]}"; do
-    (cd "$repo" && "$python" -m spo_verl.tools.study.archive save --output-dir "${archives[$archive]}" --archive "$archive") |
+    (cd "$repo" && "$python" -m spo_workbench.study.archive save --output-dir "${archives[$archive]}" --archive "$archive") |
       sed -n 's/^archive: saved //p' | while read -r folder; do
         commit_paths "$study: ${folder#docs/results/} finished (trained at $commit)" "$folder"
       done

@@ -108,6 +108,22 @@ def compute_spo_chain_advantage(
     Row metadata: ``segment_starts`` (token offsets) and ``boundary_values`` (MC value of the prefix
     before each start). The reward R is the row's summed token-level reward (0 for a truncated response
     under ``algorithm.spo.truncated_response_score=zero``).
+
+    Args:
+        token_level_rewards: `(torch.Tensor)`
+            shape is (bs, response_length)
+        response_mask: `(torch.Tensor)`
+            shape is (bs, response_length)
+        index: `(np.ndarray)`
+            each row's uid, shape (bs,); verl's padding rows (uid ``pad...``) get 0
+        config: `(AlgoConfig)`
+            ``algorithm``; its ``spo`` settings when the trainer did not hand them over
+
+    Returns:
+        advantages: `(torch.Tensor)`
+            shape is (bs, response_length); 0 outside ``response_mask``
+        returns: `(torch.Tensor)`
+            shape is (bs, response_length); the same tensor as ``advantages``
     """
     if (placeholder := _deferred_placeholder(token_level_rewards)) is not None:
         return placeholder
@@ -225,6 +241,24 @@ def compute_spo_tree_advantage(
     summed token-level reward (0 for a truncated leaf under ``truncated_response_score=zero``); the tree is the row's
     ``tree_id`` if given, else its uid. Each segment is trained by one row only; the mask of trained
     tokens is left on the batch context for the trainer to apply to the loss.
+
+    Args:
+        token_level_rewards: `(torch.Tensor)`
+            shape is (bs, response_length); bs counts every leaf of every tree
+        response_mask: `(torch.Tensor)`
+            shape is (bs, response_length)
+        index: `(np.ndarray)`
+            each row's uid, shape (bs,); a tree's leaves share their prompt's uid, verl's padding rows
+            (uid ``pad...``) get 0
+        config: `(AlgoConfig)`
+            ``algorithm``; its ``spo`` settings when the trainer did not hand them over
+
+    Returns:
+        advantages: `(torch.Tensor)`
+            shape is (bs, response_length); a segment's advantage on the tokens of the one row that
+            trains it, 0 elsewhere
+        returns: `(torch.Tensor)`
+            shape is (bs, response_length); the same tensor as ``advantages``
     """
     if (placeholder := _deferred_placeholder(token_level_rewards)) is not None:
         return placeholder

@@ -1,7 +1,7 @@
-"""What is built on the plugin: the study, its report, the credit command, the benchmarks, the CPU
-settings and data, the launcher's checks and the test harness."""
+"""What a launch needs beside the plugin: the CPU settings' models and data, data preparation for the
+cluster settings, a cluster setting's CPU rehearsal, the GPU-environment check and the run summary."""
 
 from pathlib import Path
 
-# The repository the tools run from (its scripts, logs and git history): the package is installed editable.
+# The checkout the launch scripts run from (its scripts and logs), where the package is installed editable.
 REPO = Path(__file__).resolve().parents[2]

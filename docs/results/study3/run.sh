@@ -30,10 +30,10 @@ finished() {  # finished ALGORITHMS SEEDS: every run has its done.json
 # tokens, per arm, the final table), its page and the plots it shows, of the runs in: kept here, committed.
 close_study() {  # close_study WHICH-RUNS
   (cd "$repo"
-   "$python" -m spo_verl.tools.study.verdict --output-dir "$here/runs" --budget 16000 --level 0.975 --training-budget 18000 \
+   "$python" -m spo_workbench.study.verdict --output-dir "$here/runs" --budget 16000 --level 0.975 --training-budget 18000 \
      --compare spo_tree_cutpoint-grpo_prob_mask,spo_tree_cutpoint-grpo --csv "$here/at_budget.csv" \
      --plot "$here/paired_differences.png" > "$here/verdict.txt"
-   "$python" -m spo_verl.tools.study.compare --report-only --task steps4 \
+   "$python" -m spo_workbench.study.compare --report-only --task steps4 \
      --algorithms spo_tree_cutpoint,grpo_prob_mask,grpo,spo_chain --seeds 0,1,2,3,4,5,6,7 --output-dir "$clone/outputs/study3")
   keep_report "$clone/outputs/study3/report" "$here" "${REPORT_FILES[@]}"
   commit_paths "$study: $1; the verdict at 16,000 tokens and the report's tables" \

@@ -31,7 +31,7 @@ import pandas as pd
 
 from spo_verl.adapters.agent_loops.sessions import row_problem
 from spo_verl.tools.cpu_settings.smollm2 import STUDY_VAL_FILE, TUNE_FILE, write_dialogue_data
-from spo_verl.tools.study.archive import ANSWER_COLUMNS, ANSWERS_FILE, DUMPS, answer_rows
+from spo_workbench.study.archive import ANSWER_COLUMNS, ANSWERS_FILE, DUMPS, answer_rows
 
 HERE = Path(__file__).resolve().parent
 ARCHIVES = {HERE / "runs": "study4", **{folder: f"study4-tune/{folder.name}" for folder in sorted((HERE / "tune").glob("lr*"))}}

@@ -33,10 +33,10 @@ done
 archive_finished
 if [[ ! -f "$repo/$here/chosen_rates.csv" ]]; then
   for lr in "${rates[@]}"; do
-    "$python" -m spo_verl.tools.study.verdict --output-dir "outputs/study4-tune/lr$lr" --budget 8000 \
+    "$python" -m spo_workbench.study.verdict --output-dir "outputs/study4-tune/lr$lr" --budget 8000 \
       --csv "$repo/$here/tune_lr$lr.csv"
   done
-  "$python" -m spo_verl.tools.study.tuning $(for lr in "${rates[@]}"; do echo --rate "$lr=$repo/$here/tune_lr$lr.csv"; done) \
+  "$python" -m spo_workbench.study.tuning $(for lr in "${rates[@]}"; do echo --rate "$lr=$repo/$here/tune_lr$lr.csv"; done) \
     --csv "$repo/$here/chosen_rates.csv"
   commit_paths "$study's tuning done: each arm's rate by the declared rule (chosen_rates.csv)" \
     "$here/chosen_rates.csv" $(for lr in "${rates[@]}"; do echo "$here/tune_lr$lr.csv"; done)
@@ -56,12 +56,12 @@ archive_finished
 # seconds by phase, per arm, the final table) from the archive as restored, kept here and committed.
 cd "$repo"
 "$python" "$here/name_dialogues.py" "$clone/outputs"
-"$python" -m spo_verl.tools.study.verdict --output-dir "$here/runs" --budget 8000 --level 0.975 --training-budget 10000 \
+"$python" -m spo_workbench.study.verdict --output-dir "$here/runs" --budget 8000 --level 0.975 --training-budget 10000 \
   --compare spo_tree-grpo_prob_mask,spo_chain-grpo_prob_mask --csv "$here/at_budget.csv" \
   --plot "$here/paired_differences.png" > "$here/verdict.txt"
 restored="$(mktemp -d)"
-"$python" -m spo_verl.tools.study.archive restore --archive "$here/runs" --output-dir "$restored"
-"$python" -m spo_verl.tools.study.compare --report-only --task dialogue2 --algorithms "$arms" --seeds 0,1,2,3 \
+"$python" -m spo_workbench.study.archive restore --archive "$here/runs" --output-dir "$restored"
+"$python" -m spo_workbench.study.compare --report-only --task dialogue2 --algorithms "$arms" --seeds 0,1,2,3 \
   --output-dir "$restored"
 keep_report "$restored/report" "$here" "${REPORT_FILES[@]}" turns.csv turns_credit.csv
 commit_paths "$study: every run in; its answers named by dialogue, the verdict at 8,000 tokens and the report's tables" \

@@ -35,46 +35,16 @@ from spo_verl.core.algorithms.segments import cut_by_length_limit
 from spo_verl.core.config import check_cutpoint_tree_fits, check_tree_fits, parse_spo_settings, tree_segment_budgets
 from spo_verl.core.episodes.episode import ENDED_BY_ENVIRONMENT
 from spo_verl.core.episodes.turn_tree import sample_turn_tree
-from spo_verl.core.metadata import CutpointTreeStatistics, EpisodeStatistics, TreeLeafRow, TreeStatistics
-from spo_verl.core.rollout.cutpoint_tree import CutpointTree, sample_cutpoint_tree
+from spo_verl.core.metadata import EpisodeStatistics, TreeLeafRow
+from spo_verl.core.rollout.cutpoint_tree import sample_cutpoint_tree
 from spo_verl.core.rollout.tree import SampledTree, sample_tree
+from spo_verl.core.rollout.tree_statistics import tree_statistics
 
 
 @dataclass
 class _TreeJob:
     task: asyncio.Task
     next_slot: itertools.count = field(default_factory=itertools.count)
-
-
-def tree_statistics(tree: SampledTree) -> TreeStatistics:
-    """Shape and cost of one tree, for the ``spo/tree/*`` metrics. A fixed tree counts the leaves
-    that stopped above its last depth; a cutpoint tree also its forks and where they fall. Its cost is
-    the tokens the model generated: a tree over turns leaves the environment's replies out, as the
-    response mask does (the token budget compares algorithms by the model's tokens)."""
-    depth = len(tree.branching)
-    segments = tree.nodes[1:]
-    leaves = tree.leaves()
-    early_stops = [0] * depth
-    for leaf in leaves:
-        if tree.nodes[leaf].depth < depth:
-            early_stops[tree.nodes[leaf].depth - 1] += 1
-    shape = dict(
-        nodes=len(segments),
-        leaves=len(leaves),
-        early_stops_per_depth=early_stops,
-        generated_tokens=sum(sum(node.response_mask) if node.response_mask is not None else len(node.token_ids)
-                             for node in segments),
-        independent_sample_tokens=sum(sum(tree.response_mask(leaf)) for leaf in leaves),
-    )
-    if isinstance(tree, CutpointTree):
-        return CutpointTreeStatistics(
-            **shape,
-            paths=tree.paths,
-            forks=len(tree.forks),
-            fork_positions=[fork.position / fork.response_tokens for fork in tree.forks],
-            cutpoint_requests=tree.cutpoint_requests,
-        )
-    return TreeStatistics(**shape)
 
 
 @register("spo_tree")

@@ -5,7 +5,7 @@ With ``algorithm.spo.sample_log.dir`` set, both trainer adapters (``spo_verl.ada
 algorithm (the ``grpo`` baselines too: plain responses, one segment each), and append one JSON line
 per training step to ``<dir>/samples.jsonl``. The cost is a handful of rows per step: which rows is
 decided from the uids and lengths alone, and only those rows are fetched and decoded.
-``python -m spo_verl.tools.report`` draws the segments and the tree from it.
+``python -m spo_workbench.report`` draws the segments and the tree from it.
 
 One line (``step_record``)::
 

@@ -128,7 +128,7 @@ TASKS = {
     # The CPU default: two steps (docs/RESULTS.md).
     "add_sub": Task(_add_sub, (("What is 3 + 4 - 2?", "3 + 4 = 7. 7 - 2 = 5.\n#### 5"),
                                ("What is 12 + 5 - 6?", "12 + 5 = 17. 17 - 6 = 11.\n#### 11"))),
-    # Candidates with more steps or harder ones, for a study with headroom (spo_verl.tools.study.calibration).
+    # Candidates with more steps or harder ones, for a study with headroom (spo_workbench.study.calibration).
     "add_sub_add": Task(_add_sub_add, (("What is 3 + 4 - 2 + 6?", "3 + 4 = 7. 7 - 2 = 5. 5 + 6 = 11.\n#### 11"),
                                        ("What is 12 + 5 - 6 + 3?", "12 + 5 = 17. 17 - 6 = 11. 11 + 3 = 14.\n#### 14"))),
     "add_add": Task(_add_add, (("What is 3 + 4 + 2?", "3 + 4 = 7. 7 + 2 = 9.\n#### 9"),
@@ -136,7 +136,7 @@ TASKS = {
     "mul_add": Task(_mul_add, (("What is 3 * 4 + 2?", "3 * 4 = 12. 12 + 2 = 14.\n#### 14"),
                                ("What is 7 * 5 + 11?", "7 * 5 = 35. 35 + 11 = 46.\n#### 46"))),
     # The horizon knob: a sum worked in k steps, k = 2..7 ("What is 3 + 4 + 2 + 6?" is steps3), so that
-    # where each estimator puts the blame can be measured as responses get longer (spo_verl.tools.credit).
+    # where each estimator puts the blame can be measured as responses get longer (spo_workbench.credit).
     **{f"steps{k}": _horizon_task(k) for k in HORIZON_STEPS},
 }
 DEFAULT_TASK = "add_sub"

@@ -1,3 +1,0 @@
-from spo_verl.tools.benchmarks.cli import main
-
-main()

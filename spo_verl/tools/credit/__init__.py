@@ -1,3 +1,0 @@
-"""The credit command (``python -m spo_verl.tools.credit``): rollouts through verl's agent loops and
-advantage step (``rollouts``), the Monte Carlo value check (``values``) and the page (``figures``); the
-measures themselves are the core's (:mod:`spo_verl.core.credit`)."""

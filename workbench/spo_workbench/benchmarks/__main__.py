@@ -1,0 +1,3 @@
+from spo_workbench.benchmarks.cli import main
+
+main()

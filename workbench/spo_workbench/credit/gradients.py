@@ -1,0 +1,557 @@
+"""Which update is best per generated token: each estimator's gradient against a reference gradient of
+expected reward, paired on one policy and one set of prompts (docs/STUDY.md declares the measurement).
+
+    python -m spo_workbench.credit.gradients [--tasks steps3,steps4] [--prompts 8] [--policy base|NAME=MODEL_DIR]
+        [--budgets 1500,3000,6000] [--draws 12] [--reference-samples 256] [--parameters last_blocks|all]
+        [--estimators NAMES] [--output-dir outputs/gradients] [--quick]
+
+For every task and policy: the prompts are chosen by the declared rule (candidates outside the task's
+training, held-out and tuning problems, each screened with ``--screen-samples`` samples, kept at 2 to 14
+right of 16, and kept only when its reference's halves agree, cosine at least 0.2); each prompt's reference
+gradient is built from two halves of ``--reference-samples`` plain samples; a cost pass samples one unit of
+every estimator a prompt and fixes the units of a draw at each budget; then ``--draws`` draws of every
+estimator at every budget it fits, each one row of ``draws.csv`` with its cosine with the reference and
+that cosine corrected by the halves' agreement (``spo_verl.core.credit.gradients``). Started again with
+the same arguments it reuses the prompts, references and costs it kept, and skips every draw already in
+``draws.csv``. ``summary.csv``: each estimator's mean corrected cosine a budget, and against GRPO paired
+over prompts (mean, standard error, 95 % interval). ``matching.csv``: the generated tokens each estimator
+needs to reach GRPO's mean corrected cosine at GRPO's largest budget.
+
+``--quick``: the cpu-tiny setting, 2 prompts, 2 small budgets, 2 draws, references of 2 x 16: the whole
+pipeline in about a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from spo_verl.core.credit.gradients import corrected_cosine, cosine, paired_interval, tokens_to_match
+from spo_workbench.credit.gradient_draws import Estimator, GroupSetup
+from spo_workbench.credit.rollouts import ChainSetup, TreeSetup, gsm8k_score
+
+SCORE = gsm8k_score  # every response's reward (the tests give the untrained tiny model a reward that varies)
+MIN_HALVES_COSINE = 0.2  # a reference whose halves agree less is too noisy to correct by (STUDY.md)
+SCREEN_RIGHT = (2, 14)  # of 16 screening samples: a success rate inside 0.1-0.9
+UNIT_OVER_BUDGET = 1.5  # a unit dearer than this many budgets is not drawn at that budget
+
+COLUMNS = ("kind", "policy", "prompt_set", "prompt_uid", "estimator", "budget", "draw", "units", "tokens",
+           "parameters", "cosine", "corrected_cosine", "halves_cosine", "reward_mean", "sample_seconds",
+           "gradient_seconds")
+
+
+def _tree(name, branching, segments, **kwargs):
+    return TreeSetup(name, tuple(branching), tuple(segments), **kwargs)
+
+
+CUTPOINT = dict(branch_at="cutpoint", cutpoint=("responses=2", "max_forks=1", "width=1", "interval=5"))
+
+
+def smollm2_estimators(task: str) -> list[Estimator]:
+    """The declared estimators; the 6-6-6 tree's two first segments a quarter of the task's mean answer
+    (steps3: 42 tokens, steps4: 53, docs/RESULTS.md's calibration)."""
+    quarter = {"steps3": 10, "steps4": 13}[task]
+    trees = {"spo_tree_2_2": _tree("2_2", (2, 2), (10,)), "spo_tree_4_4": _tree("4_4", (4, 4), (10,)),
+             "spo_tree_6_6_6": _tree("6_6_6", (6, 6, 6), (quarter, quarter)),
+             "spo_tree_cutpoint": _tree("cutpoint", (2, 2), (10,), **CUTPOINT)}
+    out = [Estimator("grpo", GroupSetup("grpo"), "grpo", "vanilla"),
+           Estimator("grpo_prob_mask", GroupSetup("grpo"), "grpo", "spo_prob_mask"),
+           Estimator("grpo_one_group", GroupSetup("grpo_one_group", one_group=True), "grpo", "vanilla", secondary=True)]
+    for name, setup in trees.items():
+        out += [Estimator(name, setup, "spo_tree", "spo_prob_mask"),
+                Estimator(f"{name}_pooled", setup, "spo_tree_pooled", "spo_prob_mask")]
+    out += [Estimator("spo_chain_int5_mc9", ChainSetup("int5_mc9", 4, 5, 9), "spo_chain", "spo_prob_mask"),
+            Estimator("spo_chain_int5_mc4", ChainSetup("int5_mc4", 4, 5, 4), "spo_chain", "spo_prob_mask")]
+    return out
+
+
+def quick_estimators() -> list[Estimator]:
+    tree = _tree("tiny_2_2", (2, 2), (4,))
+    return [Estimator("grpo", GroupSetup("grpo"), "grpo", "vanilla"),
+            Estimator("grpo_prob_mask", GroupSetup("grpo"), "grpo", "spo_prob_mask"),
+            Estimator("spo_tree_2_2", tree, "spo_tree", "spo_prob_mask"),
+            Estimator("spo_tree_2_2_pooled", tree, "spo_tree_pooled", "spo_prob_mask"),
+            Estimator("spo_chain", ChainSetup("tiny_chain", 2, 8, 2), "spo_chain", "spo_prob_mask")]
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    """A task's candidate problems ``(uid, chat messages, ground truth)`` in the order the rule reads them."""
+
+    name: str
+    candidates: list
+    prompt_length: int
+    response_length: int
+    screen: bool  # apply the declared screening and reference rules (not on the untrained tiny model)
+
+
+def smollm2_prompt_set(task: str) -> PromptSet:
+    """Candidates outside every split of the task: ``problems(1024, SEED + 3, task)`` less the training,
+    held-out and tuning problems (the same draws as ``smollm2.write_data``)."""
+    from spo_verl.tools.cpu_settings import smollm2
+
+    seen = {q for q, _ in smollm2.problems(smollm2.TRAIN_PROBLEMS, smollm2.SEED, task)}
+    for seed, count in ((smollm2.SEED + 1, smollm2.STUDY_HELD_OUT_PROBLEMS), (smollm2.SEED + 2, smollm2.TUNE_PROBLEMS)):
+        seen |= {q for q, _ in smollm2.problems(count * 4, seed, task)}
+    candidates, questions = [], set()
+    for question, answer in smollm2.problems(1024, smollm2.SEED + 3, task):
+        if question not in seen and question not in questions:
+            questions.add(question)
+            candidates.append((f"c{len(candidates)}", smollm2.messages(question, task), str(answer)))
+    spec = smollm2.TASKS[task]
+    return PromptSet(task, candidates, spec.prompt_tokens, spec.response_tokens, screen=True)
+
+
+def tiny_prompt_set() -> PromptSet:
+    from spo_verl.tools.cpu_settings import tiny
+
+    pairs = tiny.problems()[80:]  # the held-out problems
+    candidates = [(f"c{i}", [{"role": "user", "content": tiny.question(a, b)}], str(a + b)) for i, (a, b) in enumerate(pairs)]
+    return PromptSet("tiny_add", candidates, 64, 32, screen=False)
+
+
+@dataclass
+class Plan:
+    estimators: list[Estimator]
+    budgets: list[int]
+    draws: int
+    prompts: int
+    reference_samples: int  # a half
+    screen_samples: int
+    parameters: str
+    policy: str
+    model_dir: str
+
+
+class Measurement:
+    """One policy and prompt set against one server: the kept files under ``output_dir`` make it resumable."""
+
+    def __init__(self, plan: Plan, prompt_set: PromptSet, output_dir: Path, client, tokenizer):
+        from transformers import AutoModelForCausalLM
+
+        from spo_workbench.credit.gradient_draws import trainable
+
+        self.plan, self.prompt_set, self.client, self.tokenizer = plan, prompt_set, client, tokenizer
+        self.output_dir = output_dir
+        self.key = f"{plan.policy}-{prompt_set.name}"
+        self.model = AutoModelForCausalLM.from_pretrained(plan.model_dir, torch_dtype=torch.float32).eval()
+        self.parameters = trainable(self.model, plan.parameters)
+        (output_dir / "references").mkdir(parents=True, exist_ok=True)
+
+    # -- prompts and references -------------------------------------------------------------------
+    async def choose_prompts(self) -> list[tuple]:
+        """The first ``plan.prompts`` candidates that pass the screen and whose reference is reliable;
+        every candidate looked at is a line of ``prompts-<policy>-<task>.csv``."""
+        from spo_workbench.credit.gradient_draws import group_config, plain_samples
+
+        path = self.output_dir / f"prompts-{self.key}.csv"
+        done = {r["prompt_uid"]: r for r in _read(path)}
+        chosen = []
+        for uid, messages, truth in self.prompt_set.candidates:
+            if len(chosen) == self.plan.prompts:
+                break
+            row = done.get(uid)
+            if row is None:
+                right = ""
+                if self.prompt_set.screen:
+                    config = group_config(self.plan.model_dir, self.plan.screen_samples, self.prompt_set.prompt_length,
+                                          self.prompt_set.response_length)
+                    samples = await plain_samples(config, self.client, self.tokenizer, f"{uid}/screen", messages, truth, SCORE)
+                    right = int(sum(leaf.score for leaf in samples))
+                passes = not self.prompt_set.screen or SCREEN_RIGHT[0] <= right <= SCREEN_RIGHT[1]
+                halves = await self.reference(uid, messages, truth) if passes else None
+                reliable = halves is not None and (not self.prompt_set.screen or halves >= MIN_HALVES_COSINE)
+                row = {"prompt_uid": uid, "screen_right": right, "screen_samples": self.plan.screen_samples,
+                       "halves_cosine": "" if halves is None else halves,
+                       "kept": int(passes and reliable)}
+                _append(path, row, list(row))
+            if int(row["kept"]):
+                chosen.append((uid, messages, truth))
+        return chosen
+
+    def _reference_file(self, uid: str) -> Path:
+        return self.output_dir / "references" / f"{self.key}-{uid}-{self.plan.parameters}.pt"
+
+    async def reference(self, uid, messages, truth) -> float:
+        """Two halves of plain samples; keeps their mean gradient and writes the reference row."""
+        from spo_workbench.credit.gradient_draws import group_config, plain_samples, reference_half
+
+        file = self._reference_file(uid)
+        if file.exists():
+            return float(torch.load(file)["halves_cosine"])
+        started = time.perf_counter()
+        config = group_config(self.plan.model_dir, self.plan.reference_samples, self.prompt_set.prompt_length,
+                              self.prompt_set.response_length)
+        halves, tokens, rewards, sampled, computed = [], 0, [], 0.0, 0.0
+        for half in ("A", "B"):
+            leaves = await plain_samples(config, self.client, self.tokenizer, f"{uid}/reference{half}", messages, truth, SCORE)
+            sampled += time.perf_counter() - started
+            started = time.perf_counter()
+            halves.append(reference_half(self.model, self.parameters, leaves))
+            computed += time.perf_counter() - started
+            started = time.perf_counter()
+            tokens += sum(len(leaf.output.response_ids) for leaf in leaves)
+            rewards += [leaf.score for leaf in leaves]
+        rho = cosine(*halves)
+        torch.save({"gradient": (halves[0] + halves[1]) / 2, "halves_cosine": rho}, file)
+        self.write({"kind": "reference", "prompt_uid": uid, "estimator": "reference", "units": 2 * self.plan.reference_samples,
+                    "tokens": tokens, "halves_cosine": rho, "reward_mean": statistics.fmean(rewards),
+                    "sample_seconds": sampled, "gradient_seconds": computed})
+        return rho
+
+    # -- the cost pass and the draws --------------------------------------------------------------
+    def samplings(self) -> dict[str, list[Estimator]]:
+        """The estimators by the sampling they share (``gradient_draws.sampling_key``), in declared order."""
+        from spo_workbench.credit.gradient_draws import sampling_key
+
+        out: dict[str, list[Estimator]] = {}
+        for estimator in self.plan.estimators:
+            out.setdefault(sampling_key(estimator), []).append(estimator)
+        return out
+
+    async def unit_costs(self, prompts) -> dict[str, float]:
+        """Mean generated tokens of one unit of each sampling over the prompts (sampled once, not reused)."""
+        from spo_workbench.credit.gradient_draws import sample_draw
+
+        path = self.output_dir / f"units-{self.key}.csv"
+        kept = {(r["sampling"], r["prompt_uid"]): float(r["tokens"]) for r in _read(path)}
+        for key, estimators in self.samplings().items():
+            for uid, messages, truth in prompts:
+                if (key, uid) not in kept:
+                    draw = await sample_draw(estimators[:1], 1, self.plan.model_dir, self.client, self.tokenizer,
+                                             f"{uid}/cost", messages, truth, self.prompt_set.prompt_length,
+                                             self.prompt_set.response_length, SCORE)
+                    kept[(key, uid)] = draw.tokens
+                    _append(path, {"sampling": key, "prompt_uid": uid, "tokens": draw.tokens},
+                            ["sampling", "prompt_uid", "tokens"])
+        return {key: statistics.fmean(kept[(key, uid)] for uid, _, _ in prompts) for key in self.samplings()}
+
+    async def draws(self, prompts, costs: dict[str, float]) -> None:
+        """Every estimator's draws at every budget its unit fits; estimators that share a sampling are
+        computed on the same rollouts of a draw. A prompt's draws are all taken before the next prompt's,
+        each draw of every estimator in turn, so a measurement stopped part way holds whole prompts
+        (or the first draws of one) for every comparison."""
+        from spo_workbench.credit.gradient_draws import estimator_gradient, sample_draw
+
+        done = {(r["prompt_uid"], r["estimator"], r["budget"], r["draw"]) for r in _read(self.csv)
+                if r["kind"] == "draw" and r["policy"] == self.plan.policy and r["prompt_set"] == self.prompt_set.name
+                and r["parameters"] == self.plan.parameters}
+        for uid, messages, truth in prompts:
+            reference = torch.load(self._reference_file(uid))
+            for r in range(self.plan.draws):
+                for budget in self.plan.budgets:
+                    for key, estimators in self.samplings().items():
+                        if costs[key] > UNIT_OVER_BUDGET * budget:
+                            continue  # the unit does not fit this budget
+                        units = max(1, round(budget / costs[key]))
+                        pending = [e for e in estimators if (uid, e.name, str(budget), str(r)) not in done]
+                        if not pending:
+                            continue
+                        started = time.perf_counter()
+                        draw = await sample_draw(pending, units, self.plan.model_dir, self.client, self.tokenizer,
+                                                 f"{uid}/b{budget}/d{r}", messages, truth,
+                                                 self.prompt_set.prompt_length, self.prompt_set.response_length, SCORE)
+                        sampled = time.perf_counter() - started
+                        for estimator in pending:
+                            started = time.perf_counter()
+                            gradient = estimator_gradient(self.model, self.parameters, draw.rows[estimator.name],
+                                                          estimator.loss_mode)
+                            raw = cosine(gradient, reference["gradient"])
+                            self.write({"kind": "draw", "prompt_uid": uid, "estimator": estimator.name, "budget": budget,
+                                        "draw": r, "units": units, "tokens": draw.tokens, "cosine": raw,
+                                        "corrected_cosine": corrected_cosine(raw, reference["halves_cosine"]),
+                                        "halves_cosine": reference["halves_cosine"],
+                                        "reward_mean": statistics.fmean(draw.rewards),
+                                        "sample_seconds": sampled, "gradient_seconds": time.perf_counter() - started})
+
+    @property
+    def csv(self) -> Path:
+        return self.output_dir / "draws.csv"
+
+    def write(self, row: dict) -> None:
+        full = {c: "" for c in COLUMNS}
+        full.update({"policy": self.plan.policy, "prompt_set": self.prompt_set.name, "parameters": self.plan.parameters}, **row)
+        _append(self.csv, full, list(COLUMNS))
+
+    async def run(self) -> None:
+        prompts = await self.choose_prompts()
+        print(f"gradients: {self.key}: {len(prompts)} prompts", flush=True)
+        costs = await self.unit_costs(prompts)
+        print(f"gradients: {self.key}: tokens a unit " + ", ".join(f"{k} {v:.0f}" for k, v in costs.items()), flush=True)
+        await self.draws(prompts, costs)
+
+
+def _read(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with open(path, newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def _append(path: Path, row: dict, columns: list[str]) -> None:
+    """One line, flushed: a stopped measurement loses at most the draw it was computing."""
+    new = not path.exists()
+    with open(path, "a", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns)
+        if new:
+            writer.writeheader()
+        writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()})
+
+
+def summary_rows(draws_csv: Path, reference: str = "grpo") -> list[dict]:
+    """Per (policy, prompt set, parameters, estimator, budget): the prompts, the mean tokens and corrected
+    cosine (each prompt's draws averaged first), and the paired difference from ``reference`` over the
+    prompts both have (95 % interval); prompt sets together as ``all``."""
+    per_prompt: dict[tuple, list[tuple[float, float]]] = {}
+    for row in _read(draws_csv):
+        if row["kind"] != "draw" or not row["corrected_cosine"] or math.isnan(float(row["corrected_cosine"])):
+            continue
+        for prompt_set in (row["prompt_set"], "all"):
+            key = (row["policy"], prompt_set, row["parameters"], row["estimator"], int(row["budget"]))
+            per_prompt.setdefault(key, {}).setdefault(f"{row['prompt_set']}/{row['prompt_uid']}", []).append(
+                (float(row["tokens"]), float(row["corrected_cosine"])))
+    out = []
+    for key, prompts in sorted(per_prompt.items()):
+        means = {uid: statistics.fmean(c for _, c in draws) for uid, draws in prompts.items()}
+        row = {"policy": key[0], "prompt_set": key[1], "parameters": key[2], "estimator": key[3], "budget": key[4],
+               "prompts": len(means), "tokens": statistics.fmean(t for draws in prompts.values() for t, _ in draws),
+               "corrected_cosine": statistics.fmean(means.values())}
+        base = per_prompt.get((*key[:3], reference, key[4]))
+        if base is not None and key[3] != reference:
+            base_means = {uid: statistics.fmean(c for _, c in draws) for uid, draws in base.items()}
+            shared = sorted(set(means) & set(base_means))
+            if shared:
+                interval = paired_interval([means[u] - base_means[u] for u in shared])
+                row.update({f"minus_{reference}": interval.mean, "se": interval.se, "low": interval.low,
+                            "high": interval.high, "verdict": interval.verdict})
+        out.append(row)
+    return out
+
+
+def matching_rows(summary: list[dict], reference: str = "grpo") -> list[dict]:
+    """Per (policy, prompt set, parameters, estimator): the generated tokens it needs to reach
+    ``reference``'s mean corrected cosine at the reference's largest budget (the declared 6,000 by
+    default), interpolated in log tokens between its own budgets; empty where it stays below."""
+    groups: dict[tuple, dict[str, list[tuple[float, float, int]]]] = {}
+    for row in summary:
+        key = (row["policy"], row["prompt_set"], row["parameters"])
+        groups.setdefault(key, {}).setdefault(row["estimator"], []).append(
+            (float(row["tokens"]), float(row["corrected_cosine"]), int(row["budget"])))
+    out = []
+    for key, estimators in sorted(groups.items()):
+        if reference not in estimators:
+            continue
+        _, target, budget = max(estimators[reference], key=lambda point: point[2])
+        for name, points in sorted(estimators.items()):
+            if name == reference:
+                continue
+            tokens = tokens_to_match([(t, c) for t, c, _ in points], target)
+            out.append({"policy": key[0], "prompt_set": key[1], "parameters": key[2], "estimator": name,
+                        f"{reference}_budget": budget, f"{reference}_corrected_cosine": target,
+                        "tokens_to_match": "" if tokens is None else tokens})
+    return out
+
+
+def _write_table(path: Path, columns: list[str], rows: list[dict]) -> list[dict]:
+    """``rows`` as a CSV table at ``path``, floats to 4 significant digits; returns ``rows``."""
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()})
+    return rows
+
+
+def write_matching(summary: list[dict], path: Path) -> list[dict]:
+    rows = matching_rows(summary)
+    columns = ["policy", "prompt_set", "parameters", "estimator", "grpo_budget", "grpo_corrected_cosine",
+               "tokens_to_match"]
+    return _write_table(path, columns, rows)
+
+
+def write_summary(draws_csv: Path, path: Path) -> list[dict]:
+    rows = summary_rows(draws_csv)
+    columns = ["policy", "prompt_set", "parameters", "estimator", "budget", "prompts", "tokens", "corrected_cosine",
+               "minus_grpo", "se", "low", "high", "verdict"]
+    return _write_table(path, columns, rows)
+
+
+async def measure(plan: Plan, prompt_set: PromptSet, output_dir: Path, client=None) -> None:
+    """One policy and prompt set, on its own verl server unless ``client`` is that of one serving the
+    policy's model."""
+    from transformers import AutoTokenizer
+
+    from spo_workbench.testing.verl_server import start_verl_server
+
+    server = None
+    if client is None:
+        server = await start_verl_server(plan.model_dir, prompt_length=prompt_set.prompt_length,
+                                         response_length=prompt_set.response_length)
+        client = server.client
+    try:
+        await Measurement(plan, prompt_set, output_dir, client, AutoTokenizer.from_pretrained(plan.model_dir)).run()
+    finally:
+        if server is not None:
+            server.shutdown()
+
+
+COST_COLUMNS = ("policy", "prompt_set", "prompt_uid", "phase", "estimator", "budget", "units", "rows", "tokens",
+                "row_tokens", "parameters", "sample_seconds", "gradient_seconds", "load_average")
+
+
+async def time_one_draw(plan: Plan, prompt_set: PromptSet, path: Path, client=None) -> list[dict]:
+    """What the declared counts cost, timed without computing any cosine: on the first candidate prompt,
+    one screening, one reference half, then for each estimator one unit (the cost pass) and one draw at
+    the largest budget it fits, its gradient included. One row a phase in ``path``."""
+    from transformers import AutoTokenizer
+
+    from spo_workbench.credit.gradient_draws import (estimator_gradient, group_config, plain_samples, reference_half,
+                                                      sample_draw)
+    from spo_workbench.testing.verl_server import start_verl_server
+
+    server = None
+    if client is None:
+        server = await start_verl_server(plan.model_dir, prompt_length=prompt_set.prompt_length,
+                                         response_length=prompt_set.response_length)
+        client = server.client
+    rows = []
+
+    def record(**row):
+        full = {"policy": plan.policy, "prompt_set": prompt_set.name, "prompt_uid": uid, "parameters": plan.parameters,
+                "load_average": os.getloadavg()[0], **row}
+        rows.append(full)
+        _append(path, full, list(COST_COLUMNS))
+        print("gradients: cost " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+              flush=True)
+
+    try:
+        measurement = Measurement(plan, prompt_set, path.parent, client, AutoTokenizer.from_pretrained(plan.model_dir))
+        uid, messages, truth = prompt_set.candidates[0]
+        for phase, samples in (("screen", plan.screen_samples), ("reference_half", plan.reference_samples)):
+            started = time.perf_counter()
+            config = group_config(plan.model_dir, samples, prompt_set.prompt_length, prompt_set.response_length)
+            leaves = await plain_samples(config, client, measurement.tokenizer, f"{uid}/{phase}", messages, truth, SCORE)
+            sampled, started = time.perf_counter() - started, time.perf_counter()
+            if phase == "reference_half":
+                reference_half(measurement.model, measurement.parameters, leaves)
+            tokens = sum(len(leaf.output.response_ids) for leaf in leaves)
+            record(phase=phase, estimator="", budget="", units=samples, rows=len(leaves), tokens=tokens,
+                   row_tokens=sum(len(leaf.output.prompt_ids) for leaf in leaves) + tokens, sample_seconds=sampled,
+                   gradient_seconds=time.perf_counter() - started if phase == "reference_half" else 0.0)
+        for key, estimators in measurement.samplings().items():
+            started = time.perf_counter()
+            unit = await sample_draw(estimators[:1], 1, plan.model_dir, client, measurement.tokenizer, f"{uid}/cost",
+                                     messages, truth, prompt_set.prompt_length, prompt_set.response_length, SCORE)
+            record(phase="unit", estimator=key, budget="", units=1, rows=len(unit.rows[estimators[0].name]),
+                   tokens=unit.tokens, row_tokens="", sample_seconds=time.perf_counter() - started, gradient_seconds=0.0)
+            fitting = [b for b in plan.budgets if unit.tokens <= UNIT_OVER_BUDGET * b]
+            if not fitting:
+                continue
+            budget = max(fitting)
+            units = max(1, round(budget / unit.tokens))
+            started = time.perf_counter()
+            draw = await sample_draw(estimators, units, plan.model_dir, client, measurement.tokenizer, f"{uid}/timed",
+                                     messages, truth, prompt_set.prompt_length, prompt_set.response_length, SCORE)
+            sampled = time.perf_counter() - started
+            for estimator in estimators:
+                started = time.perf_counter()
+                estimator_gradient(measurement.model, measurement.parameters, draw.rows[estimator.name], estimator.loss_mode)
+                draw_rows = draw.rows[estimator.name]
+                record(phase="draw", estimator=estimator.name, budget=budget, units=units, rows=len(draw_rows),
+                       tokens=draw.tokens, row_tokens=sum(len(r.prompt_ids) + len(r.response_ids) for r in draw_rows),
+                       sample_seconds=sampled, gradient_seconds=time.perf_counter() - started)
+                sampled = 0.0  # the rollouts are shared: counted once
+    finally:
+        if server is not None:
+            server.shutdown()
+    return rows
+
+
+def _policy(spec: str) -> tuple[str, str]:
+    if spec == "base":
+        from spo_verl.tools.cpu_settings import smollm2
+
+        return "base", smollm2.build(smollm2.default_cache())["model"]
+    name, _, path = spec.partition("=")
+    if not path:
+        raise SystemExit(f"--policy must be 'base' or NAME=MODEL_DIR, got {spec!r}")
+    return name, path
+
+
+def quick_plan(parameters: str = "last_blocks") -> tuple[Plan, PromptSet]:
+    """``--quick``: cpu-tiny (its cache at ``SPO_CPU_CACHE``), 2 prompts, budgets of 100 and 200 tokens,
+    2 draws, references of 2 x 16 samples, no screening (the rule is for SmolLM2's prompts)."""
+    from spo_verl.tools.cpu_settings import tiny
+
+    cache = Path(os.environ.get("SPO_CPU_CACHE", Path.home() / ".cache" / "spo-verl" / "cpu-tiny"))
+    model_dir = tiny.build(cache)["model"]
+    return Plan(quick_estimators(), [100, 200], 2, 2, 16, 0, parameters, "tiny", model_dir), tiny_prompt_set()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m spo_workbench.credit.gradients", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", default="steps3,steps4")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts a task")
+    parser.add_argument("--policy", default="base", help="base (SmolLM2-135M-Instruct as built) or NAME=MODEL_DIR")
+    parser.add_argument("--budgets", default="1500,3000,6000", help="generated tokens a prompt a draw")
+    parser.add_argument("--draws", type=int, default=12)
+    parser.add_argument("--reference-samples", type=int, default=256, help="plain samples in each half of a reference")
+    parser.add_argument("--screen-samples", type=int, default=16)
+    parser.add_argument("--parameters", default="last_blocks", choices=("last_blocks", "all"))
+    parser.add_argument("--estimators", default=None, help="a subset of the declared estimators (default: all)")
+    parser.add_argument("--output-dir", type=Path, default=Path("outputs/gradients"))
+    parser.add_argument("--quick", action="store_true", help="cpu-tiny, 2 prompts, 2 budgets, 2 draws")
+    parser.add_argument("--time-one-draw", type=Path, metavar="CSV",
+                        help="compute no cosine: time one screening, one reference half and one draw of each estimator "
+                             "on each task's first candidate, one row a phase in CSV")
+    args = parser.parse_args(argv)
+    if args.quick:
+        plans = [quick_plan(args.parameters)]
+    else:
+        policy, model_dir = _policy(args.policy)
+        plans = []
+        for task in [t for t in args.tasks.split(",") if t]:
+            estimators = smollm2_estimators(task)
+            if args.estimators:
+                wanted = args.estimators.split(",")
+                unknown = set(wanted) - {e.name for e in estimators}
+                if unknown:
+                    parser.error(f"unknown estimators {sorted(unknown)}; declared: {','.join(e.name for e in estimators)}")
+                estimators = [e for e in estimators if e.name in wanted]
+            budgets = [int(b) for b in args.budgets.split(",")]
+            plans.append((Plan(estimators, budgets, args.draws, args.prompts, args.reference_samples, args.screen_samples,
+                               args.parameters, policy, model_dir), smollm2_prompt_set(task)))
+    from spo_verl.adapters.cpu_platform.environment import cpu_run_env
+
+    os.environ.update({key: os.environ.get(key, value) for key, value in cpu_run_env().items()})
+    if args.time_one_draw is not None:
+        args.time_one_draw.parent.mkdir(parents=True, exist_ok=True)
+        for plan, prompt_set in plans:
+            asyncio.run(time_one_draw(plan, prompt_set, args.time_one_draw))
+        return 0
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    for plan, prompt_set in plans:
+        asyncio.run(measure(plan, prompt_set, args.output_dir))
+    summary = write_summary(args.output_dir / "draws.csv", args.output_dir / "summary.csv")
+    write_matching(summary, args.output_dir / "matching.csv")
+    for row in summary:
+        if row["prompt_set"] == "all":
+            extra = f"  minus grpo {row['minus_grpo']:+.3f} [{row['low']:+.3f}, {row['high']:+.3f}]" if row.get("low") is not None else ""
+            print(f"gradients: {row['policy']} {row['estimator']:<24} {row['budget']:>6} tokens {row['tokens']:>7.0f} "
+                  f"corrected cosine {row['corrected_cosine']:.3f}{extra}")
+    print(f"gradients: draws.csv, summary.csv, matching.csv in {args.output_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
