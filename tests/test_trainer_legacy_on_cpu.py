@@ -14,6 +14,7 @@ from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 from verl.trainer.ppo.ray_trainer import compute_advantage
 
 from spo_verl.core.batch_context import advantages_at_actor_update, advantages_deferred
+from spo_verl.core.config import parse_spo_settings
 from spo_verl.core.metadata import EPISODE_FIELD
 from spo_verl.adapters.estimators import SPOMetadataMissingError
 from spo_verl.adapters.trainer.legacy import SPORayPPOTrainer, spo_advantage_step
@@ -26,6 +27,17 @@ def algorithm(estimator="spo_tree", **spo):
 
 
 ALGORITHM = algorithm()
+
+
+def run_spo_step(data, algorithm_config, rollout_n, trainer=None):
+    """SPO's step on a legacy batch as ``SPORayPPOTrainer._update_actor`` runs it before verl's update,
+    for a trainer without workers (its sample log and credit settings, tokenizer and step where given)."""
+    if trainer is None:
+        trainer = object.__new__(SPORayPPOTrainer)
+        trainer.config = OmegaConf.create({})
+    trainer.config = OmegaConf.merge({"algorithm": algorithm_config, "actor_rollout_ref": {"rollout": {"n": rollout_n}}},
+                                     trainer.config)
+    return spo_advantage_step(data, trainer, parse_spo_settings(trainer.config.algorithm.get("spo")))
 
 
 def legacy_batch(rows, rewards, lengths, width, uids):
@@ -52,7 +64,7 @@ def test_spo_column_reaches_the_estimator_and_narrows_the_loss_mask():
     ]
     data = legacy_batch(rows, [1.0, 1.0, 0.0, 1.0], [2, 2, 4, 3], 4, ["t"] * 4)
     data.batch["response_mask"][1] = 0  # the stand-in's mask is all zero
-    metrics = spo_advantage_step(data, ALGORITHM, rollout_n=4)
+    metrics = run_spo_step(data, ALGORITHM, rollout_n=4)
     out = data  # in place: fit's batch object
     assert out.batch["advantages"].tolist() == [
         pytest.approx([0.25, 0.25, 0, 0]),
@@ -72,13 +84,13 @@ def test_non_spo_estimators_are_verls_unchanged():
     grpo = algorithm("grpo")
     data = compute_advantage(data, adv_estimator="grpo", num_repeat=4, config=grpo)  # fit's own step
     before = {key: data.batch[key].clone() for key in ("response_mask", "advantages")}
-    metrics = spo_advantage_step(data, grpo, rollout_n=4)
+    metrics = run_spo_step(data, grpo, rollout_n=4)
     assert all(torch.equal(data.batch[key], value) for key, value in before.items())
     assert metrics == {"spo/generated_tokens": 12}  # 4 responses of 3 tokens
     # Episodes played by spo_episode arrive as the spo_turns column: their spo/turns/* for GRPO too.
     episode = {"turns": 2, "reply_tokens": 1, "ended_by": "environment", "environment_error": None}
     data.non_tensor_batch["spo_turns"] = np.array([episode, episode, {**episode, "ended_by": "length"}, None], dtype=object)
-    assert spo_advantage_step(data, grpo, rollout_n=4) == {
+    assert run_spo_step(data, grpo, rollout_n=4) == {
         "spo/generated_tokens": 12, "spo/turns/turns_per_episode": 2.0, "spo/turns/reply_tokens_per_episode": 1.0,
         "spo/turns/ended_by_environment_fraction": pytest.approx(2 / 3), "spo/turns/environment_errors": 0.0}
 
@@ -112,7 +124,7 @@ def test_fit_defers_the_spo_advantage_step_to_the_actor_update(monkeypatch):
                           num_repeat=2, config=ALGORITHM)
     with advantages_at_actor_update():  # rows given: the real step, deferral or not
         data = legacy_batch(rows, [1.0, 0.0], [2, 2], 2, ["t", "t"])
-        spo_advantage_step(data, ALGORITHM, rollout_n=2)
+        run_spo_step(data, ALGORITHM, rollout_n=2)
     assert data.batch["advantages"].tolist() == [[0.5, 0.5], [-0.5, -0.5]]  # V = 1, 0 under a root of 0.5
 
 
@@ -122,7 +134,7 @@ def test_missing_column_fails_with_the_fix():
         non_tensors={"uid": np.array(["u", "u"], dtype=object)},
     )
     with pytest.raises(SPOMetadataMissingError, match="default_agent_loop=spo_tree"):
-        spo_advantage_step(data, ALGORITHM, rollout_n=2)
+        run_spo_step(data, ALGORITHM, rollout_n=2)
 
 
 def test_legacy_task_runner_builds_the_spo_trainer_and_leaves_verl_unchanged(monkeypatch):
@@ -196,14 +208,11 @@ def logging_trainer(directory, estimator, loss_mode="spo_prob_mask"):
 def actor_update_advantage_step(trainer, data, num_repeat):
     """What SPORayPPOTrainer._update_actor does before verl's update: fit's own advantage step has run
     (zeros for SPO, deferred), then the SPO step with the rows and the sample log."""
-    from spo_verl.adapters.trainer.legacy import after_legacy_advantages
-
     algorithm = trainer.config.algorithm
     with advantages_at_actor_update():
         compute_advantage(data, adv_estimator=algorithm.adv_estimator, gamma=algorithm.gamma, lam=algorithm.lam,
                           num_repeat=num_repeat, norm_adv_by_std_in_grpo=True, config=algorithm)
-    metrics = spo_advantage_step(data, algorithm, num_repeat,
-                                 lambda d, context, mask: after_legacy_advantages(trainer, d, context, mask))
+    metrics = run_spo_step(data, algorithm, num_repeat, trainer)
     return data, metrics
 
 
@@ -289,7 +298,6 @@ class TextTokenizer:
 def test_credit_metrics_read_the_legacy_batch_after_its_advantage_step():
     """algorithm.spo.credit_metrics on the legacy trainer: the problem read from the prompt (its last
     question), the first wrong step placed in the answer, GRPO's advantages measured exactly."""
-    from spo_verl.adapters.trainer.legacy import after_legacy_advantages
 
     prompt = "What is 1 + 1? 1 + 1 = 2. #### 2\nWhat is 3 + 4 + 2?"
     right, wrong = "3 + 4 = 7. 7 + 2 = 9. #### 9", "3 + 4 = 8. 8 + 2 = 10. #### 10"
@@ -306,7 +314,7 @@ def test_credit_metrics_read_the_legacy_batch_after_its_advantage_step():
     trainer.tokenizer, trainer.global_steps = TextTokenizer(), 1
     grpo = algorithm("grpo", credit_metrics=True)
     compute_advantage(data, adv_estimator="grpo", num_repeat=2, norm_adv_by_std_in_grpo=True, config=grpo)
-    metrics = spo_advantage_step(data, grpo, 2, lambda d, context, mask: after_legacy_advantages(trainer, d, context, mask))
+    metrics = run_spo_step(data, grpo, 2, trainer)
     error = wrong.index("8")  # the wrong result of step 1
     assert metrics["spo/credit/right_answers"] == 1 and metrics["spo/credit/wrong_answers_placed"] == 1
     assert metrics["spo/credit/wrong_answers_not_placed"] == 0 and metrics["spo/credit/wrong_answers_blamed"] == 1
@@ -351,7 +359,6 @@ def test_credit_metrics_of_dialogues_place_the_first_wrong_turn_and_leave_out_th
     model's tokens only: SPO-chain over turns puts all of the wrong episode's negative advantage on turn 2
     and credits its right turn 1 (+0.25, not diluted by the reply's zeros); GRPO spreads its one
     advantage over both turns (half of the model's tokens are turn 2's)."""
-    from spo_verl.adapters.trainer.legacy import after_legacy_advantages
 
     data = dialogue_batch(estimator)
     trainer = object.__new__(SPORayPPOTrainer)
@@ -360,7 +367,7 @@ def test_credit_metrics_of_dialogues_place_the_first_wrong_turn_and_leave_out_th
     config = algorithm(estimator, credit_metrics=True)
     if estimator == "grpo":
         compute_advantage(data, adv_estimator="grpo", num_repeat=2, norm_adv_by_std_in_grpo=True, config=config)
-    metrics = spo_advantage_step(data, config, 2, lambda d, context, mask: after_legacy_advantages(trainer, d, context, mask))
+    metrics = run_spo_step(data, config, 2, trainer)
     assert metrics["spo/credit/right_answers"] == 1 and metrics["spo/credit/wrong_answers_placed"] == 1
     assert metrics["spo/turns/first_wrong_turn1"] == 0.0 and metrics["spo/turns/first_wrong_turn2"] == 1.0
     if estimator == "spo_chain":
@@ -409,7 +416,6 @@ def test_the_per_turn_blame_leaves_out_episodes_wrong_from_their_first_turn():
 def test_the_turns_credit_tool_reads_the_dialogues_back_from_the_sample_log(estimator, tmp_path, capsys):
     """The same two episodes through the legacy trainer's sample log, read back by
     ``python -m spo_workbench.credit.turns``: each turn's credit, the first wrong turn, the table."""
-    from spo_verl.adapters.trainer.legacy import after_legacy_advantages
     from spo_workbench.credit import turns
 
     data = dialogue_batch(estimator)
@@ -420,7 +426,7 @@ def test_the_turns_credit_tool_reads_the_dialogues_back_from_the_sample_log(esti
     config = algorithm(estimator)
     if estimator == "grpo":
         compute_advantage(data, adv_estimator="grpo", num_repeat=2, norm_adv_by_std_in_grpo=True, config=config)
-    spo_advantage_step(data, config, 2, lambda d, context, mask: after_legacy_advantages(trainer, d, context, mask))
+    run_spo_step(data, config, 2, trainer)
     rows = turns.read_run(tmp_path)
     if estimator == "spo_chain":  # each turn V(after) - V(before)
         wrong_episode, right_episode = [0.25, -0.75], [0.25, 0.25]

@@ -7,13 +7,13 @@ it. ``SPORayPPOTrainer`` overrides five methods; the first two carry SPO's advan
 * ``fit`` runs verl's ``fit`` unchanged inside ``batch_context.advantages_at_actor_update``: verl's
   advantage step gets zeros from an SPO estimator (nothing reads advantages between that step and the
   actor update when there is no critic, and SPO has none);
-* ``_update_actor`` computes the advantages with the batch's ``spo`` column (verl's own
-  ``compute_advantage`` with the same arguments ``fit`` uses, the rows in batch order), narrows the
-  loss to the trained segments through ``response_mask`` (what the legacy actor update uses as its
-  loss mask), logs samples (``algorithm.spo.sample_log.dir``) and the credit metrics
-  (``algorithm.spo.credit_metrics``), counts generated tokens (``algorithm.spo.generated_token_budget``)
-  and lifts the loss's ``spo/*`` metrics out of verl's ``actor/`` prefix. It changes the batch in
-  place, so verl's metrics after the update see the real advantages;
+* ``_update_actor`` runs SPO's step (``spo_verl.adapters.trainer.step``, the same as the default
+  trainer's): the advantages with the batch's ``spo`` column (verl's own ``compute_advantage`` with the
+  same arguments ``fit`` uses, the rows in batch order), the loss narrowed to the trained segments
+  through ``response_mask`` (what the legacy actor update uses as its loss mask), the ``spo/*`` metrics,
+  the sample log, the credit metrics and the generated tokens against
+  ``algorithm.spo.generated_token_budget``; it lifts the loss's ``spo/*`` metrics out of verl's ``actor/``
+  prefix. It changes the batch in place, so verl's metrics after the update see the real advantages;
 * ``_create_dataloader``: when the rollout uses an SPO agent loop, validation samples plain
   single-turn responses;
 * ``init_workers`` installs SPO's actor loss and, with ``algorithm.spo.packed_training``, switches the
@@ -28,46 +28,43 @@ import contextlib
 import torch
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer, compute_advantage
 
-from spo_verl.core.batch_context import advantages_at_actor_update, is_padding_uid, provide_spo_rows
+from spo_verl.core.batch_context import advantages_at_actor_update
+from spo_verl.core.config import SPOSettings
 from spo_verl.core.metadata import EPISODE_FIELD, SPO_FIELD, episode_from_extra_field
-from spo_verl.adapters.trainer.common import (SPO_ESTIMATORS, batch_metrics, install_spo_actor_loss, lift_spo_metrics,
-                                              plain_validation, spo_settings_of, turn_metrics, uses_spo_metadata)
-from spo_verl.adapters.trainer.credit_step import step_credit_metrics
+from spo_verl.adapters.trainer.common import (install_spo_actor_loss, lift_spo_metrics, plain_validation,
+                                              spo_settings_of, uses_spo_metadata)
 from spo_verl.adapters.trainer.packed_worker import enable_packed_training_on, packed_training_settings
-from spo_verl.adapters.trainer.sample_log import SampledResponse, log_step
-from spo_verl.adapters.trainer.token_budget import GeneratedTokenBudget, step_generated_tokens
+from spo_verl.adapters.trainer.sample_log import SampledResponse
+from spo_verl.adapters.trainer.step import BatchView, advantage_inputs, after_advantages
+from spo_verl.adapters.trainer.token_budget import GENERATED_TOKENS, GeneratedTokenBudget
 from spo_verl.adapters.trainer.tree_balance import tree_order
 
 
-def spo_advantage_step(data, algorithm_config, rollout_n: int, read_batch=None, settings=None) -> dict[str, float]:
-    """The SPO advantage step on a legacy batch, in place: verl's ``compute_advantage`` with the
-    batch's ``spo`` column visible to the SPO estimators, then ``response_mask`` narrowed to the trained
-    segments. Other estimators' advantages (verl's, from ``fit``) are left as they are.
-    ``read_batch(data, context, response_mask)``, if given, sees the batch after the advantage step
-    (``context`` None for other estimators), with the response mask before SPO narrows it, and returns
-    metrics of its own. Returns the step's ``spo/*`` metrics and its generated tokens
-    (``spo/generated_tokens``)."""
-    response_mask = data.batch["response_mask"]
-    column = data.non_tensor_batch.get(EPISODE_FIELD)
-    episodes = [episode_from_extra_field(value) for value in column] if column is not None else []
-    if algorithm_config.adv_estimator not in SPO_ESTIMATORS:
-        read = read_batch(data, None, response_mask) if read_batch is not None else {}
-        return {**read, **turn_metrics(episodes),
-                "spo/generated_tokens": step_generated_tokens(float(response_mask.sum()), {})}
+def spo_advantage_step(data, trainer, settings: SPOSettings) -> dict[str, float]:
+    """SPO's step (``spo_verl.adapters.trainer.step``) on a legacy batch, in place: for an SPO estimator
+    verl's ``compute_advantage`` with the batch's ``spo`` column visible to it and ``response_mask``
+    narrowed to the trained segments; other estimators' advantages (verl's, from ``fit``) are left as
+    they are. Returns the step's ``spo/*`` metrics, ``spo/generated_tokens`` among them."""
+    uids = [str(uid) for uid in data.non_tensor_batch["uid"]]
     column = data.non_tensor_batch.get(SPO_FIELD)
-    rows = list(column) if column is not None else [None] * len(data)
-    with provide_spo_rows(rows, settings) as context:
-        compute_advantage(
-            data, adv_estimator=algorithm_config.adv_estimator, gamma=algorithm_config.gamma,
-            lam=algorithm_config.lam, num_repeat=rollout_n,
-            norm_adv_by_std_in_grpo=algorithm_config.get("norm_adv_by_std_in_grpo", True), config=algorithm_config,
-        )
-    spo_metrics = batch_metrics(context, response_mask, episodes)
-    if read_batch is not None:
-        spo_metrics.update(read_batch(data, context, response_mask))
-    if context.trained_mask is not None:
-        data.batch["response_mask"] = response_mask * context.trained_mask.to(response_mask.dtype)
-    return {**spo_metrics, "spo/generated_tokens": step_generated_tokens(float(response_mask.sum()), spo_metrics)}
+    episodes = data.non_tensor_batch.get(EPISODE_FIELD)
+    response_mask = data.batch["response_mask"]
+    view = BatchView(rows=list(column) if column is not None else [None] * len(data),
+                     episodes=[episode_from_extra_field(e) for e in episodes] if episodes is not None else [None] * len(data),
+                     uids=uids, response_mask=response_mask,
+                     fetch=lambda context, chosen: legacy_responses(data, context, response_mask, chosen))
+    algorithm = trainer.config.algorithm
+    with advantage_inputs(view, algorithm.adv_estimator, settings) as context:
+        if context is not None:
+            compute_advantage(
+                data, adv_estimator=algorithm.adv_estimator, gamma=algorithm.gamma, lam=algorithm.lam,
+                num_repeat=trainer.config.actor_rollout_ref.rollout.n,
+                norm_adv_by_std_in_grpo=algorithm.get("norm_adv_by_std_in_grpo", True), config=algorithm,
+            )
+    metrics, trained = after_advantages(view, context, settings, trainer)
+    if trained is not None:
+        data.batch["response_mask"] = trained
+    return metrics
 
 
 def legacy_responses(data, context, response_mask, chosen: list[int]) -> list[SampledResponse]:
@@ -88,25 +85,6 @@ def legacy_responses(data, context, response_mask, chosen: list[int]) -> list[Sa
             float(data.batch["token_level_scores"][i].sum()), episodes[i] if episodes is not None else None,
         ))
     return responses
-
-
-def after_legacy_advantages(trainer, data, context, response_mask) -> dict[str, float]:
-    """What reads the legacy batch once its advantages are final: ``algorithm.spo.sample_log`` and
-    ``algorithm.spo.credit_metrics`` (returned as metrics)."""
-    settings = spo_settings_of(trainer)
-    uids = data.non_tensor_batch["uid"]
-    if settings.sample_log.dir is not None:
-        log_step(
-            trainer.global_steps, trainer.config, trainer.tokenizer, uids, response_mask.sum(dim=-1).long().tolist(),
-            lambda chosen: legacy_responses(data, context, response_mask, chosen),
-            rows=context.rows if context is not None else None,
-            tree_nodes=context.tree_nodes if context is not None else None, settings=settings,
-        )
-    if not settings.credit_metrics:
-        return {}
-    real = [i for i, uid in enumerate(uids) if not is_padding_uid(uid)]
-    return step_credit_metrics(legacy_responses(data, context, response_mask, real), trainer.tokenizer,
-                               settings.prob_mask.threshold)
 
 
 class SPORayPPOTrainer(RayPPOTrainer):
@@ -144,14 +122,10 @@ class SPORayPPOTrainer(RayPPOTrainer):
             self.use_prefix_grouper = grouping
 
     def _update_actor(self, batch):
-        settings = spo_settings_of(self)
-        read = lambda data, context, mask: after_legacy_advantages(self, data, context, mask)  # noqa: E731
-        spo_metrics = spo_advantage_step(batch, self.config.algorithm, self.config.actor_rollout_ref.rollout.n, read,
-                                         settings)
-        step_tokens = spo_metrics.pop("spo/generated_tokens")
+        spo_metrics = spo_advantage_step(batch, self, spo_settings_of(self))
         output = super()._update_actor(batch)
         metrics = output.meta_info["metrics"]
         lift_spo_metrics(metrics)
         metrics.update(spo_metrics)
-        self._token_budget.record(self, step_tokens, metrics)
+        self._token_budget.record(self, spo_metrics[GENERATED_TOKENS], metrics)
         return output

@@ -2,14 +2,11 @@
 
 ``SPOTrainer`` is verl's synchronous trainer with these overrides:
 * ``_compute_advantage`` reads each trajectory's ``extra_fields["spo"]`` from TransferQueue and runs
-  verl's own advantage step with those rows visible to the SPO estimators; then it restricts the loss
+  verl's own advantage step inside SPO's step (``spo_verl.adapters.trainer.step``, the same for the
+  legacy trainer): the ``spo/*`` metrics, the generated tokens against
+  ``algorithm.spo.generated_token_budget``, the sample log and the credit metrics; it restricts the loss
   to the segments the estimator chose to train (``response_mask``/``loss_mask`` in TransferQueue, as
-  verl's rollout correction does) and logs ``spo/*`` metrics. For every algorithm it counts the step's
-  generated tokens (``spo/generated_tokens``, ``algorithm.spo.generated_token_budget``:
-  ``spo_verl.adapters.trainer.token_budget``); with ``algorithm.spo.sample_log.dir`` set it also appends a few
-  of the step's responses (segments, probabilities, advantages; one whole tree for spo_tree) to
-  ``samples.jsonl`` there (``spo_verl.adapters.trainer.sample_log``), and with ``algorithm.spo.credit_metrics``
-  it logs where the step's advantages put the blame (``spo/credit/*``, ``spo_verl.adapters.trainer.credit_step``);
+  verl's rollout correction does);
 * ``init`` installs SPO's actor loss (verl's ``ppo_loss`` plus the reference's masked KL);
 * ``_init_dataloader`` refuses a ``__rollout_n__`` data column under ``spo_tree`` and, when the rollout
   uses an SPO agent loop, has validation sample plain single-turn responses;
@@ -38,11 +35,9 @@ from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.workers.utils.padding import response_to_nested
 
-from spo_verl.core.batch_context import provide_spo_rows
 from spo_verl.core.metadata import EPISODE_FIELD, SPO_FIELD
 from spo_verl.adapters.trainer.common import (
     TRAINER_MODE,
-    batch_metrics,
     check_no_per_row_rollout_n,
     episodes_from_extra_fields,
     extra_field_values,
@@ -50,16 +45,13 @@ from spo_verl.adapters.trainer.common import (
     lift_spo_metrics,
     plain_validation,
     spo_settings_of,
-    turn_metrics,
-    uses_spo_metadata,
-    without_padding,
 )
-from spo_verl.adapters.trainer.credit_step import step_credit_metrics
 from spo_verl.adapters.trainer.packed_worker import (
     enable_packed_training_on, packed_training_settings, use_packed_worker,
 )
-from spo_verl.adapters.trainer.sample_log import SampledResponse, log_step
-from spo_verl.adapters.trainer.token_budget import GeneratedTokenBudget, step_generated_tokens
+from spo_verl.adapters.trainer.sample_log import SampledResponse
+from spo_verl.adapters.trainer.step import BatchView, advantage_inputs, after_advantages
+from spo_verl.adapters.trainer.token_budget import GENERATED_TOKENS, GeneratedTokenBudget
 from spo_verl.adapters.trainer.tree_balance import balance_keeping_trees
 
 # verl's sync replay buffer checks for finished rollouts every 2 s (its built-in default, not a setting),
@@ -112,57 +104,25 @@ class SPOTrainer(PPOTrainerSync):
         plain_validation(self)
 
     def _compute_advantage(self, batch, metrics: dict):
-        if not uses_spo_metadata(self.config):
+        stored = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
+                                 select_fields=["extra_fields", "response_mask", "uid"])
+        extra_fields = list(stored["extra_fields"])
+        view = BatchView(rows=extra_field_values(extra_fields, SPO_FIELD), episodes=episodes_from_extra_fields(extra_fields),
+                         uids=_stored_uids(stored), response_mask=stored["response_mask"].to_padded_tensor(0),
+                         fetch=lambda context, chosen: self._fetch_responses(batch, stored, context, chosen))
+        settings = spo_settings_of(self)
+        with advantage_inputs(view, self.config.algorithm.adv_estimator, settings) as context:
             batch = super()._compute_advantage(batch, metrics)
-            stored = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
-                                     select_fields=["uid", "response_mask", "extra_fields"])
-            episodes = episodes_from_extra_fields(list(stored["extra_fields"]))
-            metrics.update(turn_metrics(without_padding(episodes, padding_rows(batch))))
-            self._count_generated_tokens(batch, stored["response_mask"], metrics)
-            self._log_and_measure(batch, stored, None, metrics)
-            return batch
-        stored = tq.kv_batch_get(
-            keys=batch.keys, partition_id=batch.partition_id, select_fields=["extra_fields", "response_mask", "uid"]
-        )
-        rows = extra_field_values(list(stored["extra_fields"]), SPO_FIELD)
-        with provide_spo_rows(rows, spo_settings_of(self)) as context:
-            batch = super()._compute_advantage(batch, metrics)
-        response_mask = stored["response_mask"]
-        padded_mask = response_mask.to_padded_tensor(0)
-        metrics.update(batch_metrics(context, padded_mask, episodes_from_extra_fields(list(stored["extra_fields"])),
-                                     padding_rows(batch)))
+        step_metrics, trained = after_advantages(view, context, settings, self)
+        metrics.update(step_metrics)
+        self._token_budget.record(self, step_metrics[GENERATED_TOKENS], metrics)
         self._spo_rows_to_train = None
-        if context.trained_mask is not None:
-            trained = padded_mask * context.trained_mask[:, : padded_mask.shape[1]].to(padded_mask.dtype)
+        if trained is not None:  # the loss narrowed to the trained segments, as verl's rollout correction masks
             self._spo_rows_to_train = trained.sum(dim=1) > 0
-            nested = response_to_nested(trained, response_mask)
-            batch = tq.kv_batch_put(
-                keys=batch.keys,
-                partition_id=batch.partition_id,
-                fields=TensorDict({"response_mask": nested, "loss_mask": nested}, batch_size=len(batch)),
-            )
-        self._count_generated_tokens(batch, response_mask, metrics)
-        self._log_and_measure(batch, stored, context, metrics)
+            nested = response_to_nested(trained, stored["response_mask"])
+            batch = tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
+                                    fields=TensorDict({"response_mask": nested, "loss_mask": nested}, batch_size=len(batch)))
         return batch
-
-    def _count_generated_tokens(self, batch, response_mask, metrics: dict) -> None:
-        """``spo/generated_tokens`` of this step (padding rows excluded) and the token budget's stop."""
-        response_tokens = sum(float(mask.sum()) for mask, padding in zip(response_mask.unbind(), padding_rows(batch))
-                              if not padding)
-        self._token_budget.record(self, step_generated_tokens(response_tokens, metrics), metrics)
-
-    def _log_and_measure(self, batch, stored, context, metrics: dict) -> None:
-        """The sample log and the credit metrics of the step, each row they read fetched once."""
-        fetched: dict[int, SampledResponse] = {}
-
-        def responses(chosen: list[int]) -> list[SampledResponse]:
-            missing = [i for i in chosen if i not in fetched]
-            if missing:
-                fetched.update(zip(missing, self._fetch_responses(batch, stored, context, missing)))
-            return [fetched[i] for i in chosen]
-
-        self._log_samples(batch, stored, context, responses)
-        self._credit_metrics(batch, responses, metrics)
 
     def _fetch_responses(self, batch, stored, context, chosen: list[int]) -> list[SampledResponse]:
         """Rows ``chosen`` of the step's batch from TransferQueue, as plain per-token sequences.
@@ -179,28 +139,6 @@ class SPOTrainer(PPOTrainerSync):
                                        fields["old_log_probs"][j], masks[i], fields["advantages"][j],
                                        float(fields["rm_scores"][j].sum()), episodes[i])
                 for j, i in enumerate(chosen)]
-
-    def _credit_metrics(self, batch, responses, metrics: dict) -> None:
-        """``algorithm.spo.credit_metrics``: ``spo/credit/*`` over every real row of the step."""
-        settings = spo_settings_of(self)
-        if not settings.credit_metrics:
-            return
-        real = [i for i, padding in enumerate(padding_rows(batch)) if not padding]
-        metrics.update(step_credit_metrics(responses(real), self.tokenizer,
-                                           settings.prob_mask.threshold))
-
-    def _log_samples(self, batch, stored, context, responses) -> None:
-        """``algorithm.spo.sample_log``: fetch only the chosen rows from TransferQueue and append them."""
-        if spo_settings_of(self).sample_log.dir is None:
-            return
-        uids = _stored_uids(stored)
-        log_step(
-            self.global_steps, self.config, self.tokenizer, uids, [int(m.sum()) for m in stored["response_mask"].unbind()],
-            responses,
-            rows=context.rows if context is not None else None,
-            tree_nodes=context.tree_nodes if context is not None else None,
-            padding=padding_rows(batch), settings=spo_settings_of(self),
-        )
 
     def _update_actor(self, batch, metrics: dict):
         rows = self._spo_rows_to_train
@@ -233,11 +171,6 @@ class SPOTrainer(PPOTrainerSync):
             tags=batch.tags + [tag for _, tag in added],
             extra_info=batch.extra_info,
         )
-
-
-def padding_rows(batch: KVBatchMeta) -> list[bool]:
-    """Which rows of the batch are verl's padding (``upsample_batch_to_divisible_size`` tags them)."""
-    return [bool(tag.get("is_padding", False)) for tag in batch.tags]
 
 
 def _stored_uids(stored) -> list[str]:
