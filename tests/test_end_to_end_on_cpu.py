@@ -553,7 +553,14 @@ def _assert_trained(steps: dict[int, dict], expect: Expect, processes: list[dict
         assert 0 <= last["spo/chain/boundary_value_min"] <= last["spo/chain/boundary_value_max"] <= 1
         assert last["spo/generated_tokens"] > last["spo/chain/mc_tokens"]
     if algorithm in ("spo_tree", "spo_tree_cutpoint", "spo_chain", "grpo_prob_mask"):
-        assert all(0 < data["spo/prob_mask/masked_fraction"] < 1 for data in steps.values())
+        # A step whose every tree has equal leaves (all right or all wrong) has no advantage anywhere: SPO
+        # skips its actor update, says so and logs no loss; every other step trains through the mask.
+        skipped = [data for data in steps.values() if data.get("spo/actor_update_rows") == 0]
+        for data in skipped:
+            assert data["spo/trained_tokens"] == 0 and data["spo/actor_skipped_rows"] > 0
+            assert "actor/pg_loss" not in data and "spo/prob_mask/masked_fraction" not in data
+        trained = [data for data in steps.values() if data.get("spo/actor_update_rows") != 0]
+        assert trained and all(0 < data["spo/prob_mask/masked_fraction"] < 1 for data in trained)
     else:
         # Baselines: token counts, and what the packed forward and the old-log-prob probe report.
         spo_keys = {key for data in steps.values() for key in data if key.startswith("spo/")}
