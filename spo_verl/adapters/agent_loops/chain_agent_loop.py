@@ -89,19 +89,8 @@ class SPOChainAgentLoop(AgentLoopBase):
                 for k, start in enumerate(starts)
             ]
             values = await asyncio.gather(*(task for task, _ in estimates))
-        started_here = [value for value, (_, created) in zip(values, estimates) if created]
-        spo = ChainRow(
-            segment_starts=starts,
-            boundary_values=[value.value for value in values],
-            truncated=episode.ended_by != ENDED_BY_ENVIRONMENT,  # scores 0 (the episode's reward is 0 too)
-            chain=ChainStatistics(
-                boundaries=len(starts),
-                mc_continuations=sum(v.continuations for v in started_here),
-                mc_tokens=sum(v.continuation_tokens for v in started_here),
-                mc_truncated=sum(v.truncated for v in started_here),
-                cutpoint_requests=0, no_cutpoint=False, capped=capped,
-            ),
-        )
+        spo = chain_row(starts, values, [created for _, created in estimates], capped,
+                        truncated=episode.ended_by != ENDED_BY_ENVIRONMENT)  # scores 0 (the episode's reward is 0 too)
         return session_output(prompt_ids, episode.response_ids, episode.response_log_probs, spo, metrics,
                               [turn.server_fields for turn in episode.turns], dialogue=Dialogue.of(episode, kwargs))
 
@@ -138,24 +127,34 @@ class SPOChainAgentLoop(AgentLoopBase):
                 for start in starts
             ]
             values = await asyncio.gather(*(task for task, _ in estimates))
-        started_here = [value for value, (_, created) in zip(values, estimates) if created]
-        spo = ChainRow(
-            segment_starts=starts,
-            boundary_values=[value.value for value in values],
-            # The estimators score a truncated response by algorithm.spo.truncated_response_score.
-            truncated=cut_by_length_limit(token_ids, self.response_length, self.eos_token_ids),
-            chain=ChainStatistics(
-                boundaries=len(starts),
-                mc_continuations=sum(v.continuations for v in started_here),
-                mc_tokens=sum(v.continuation_tokens for v in started_here),
-                mc_truncated=sum(v.truncated for v in started_here),
-                cutpoint_requests=cutpoint_requests,
-                no_cutpoint=self.settings.partition == "cutpoint" and not found,
-                capped=capped,
-            ),
-        )
+        # The estimators score a truncated response by algorithm.spo.truncated_response_score.
+        spo = chain_row(starts, values, [created for _, created in estimates], capped,
+                        truncated=cut_by_length_limit(token_ids, self.response_length, self.eos_token_ids),
+                        cutpoint_requests=cutpoint_requests,
+                        no_cutpoint=self.settings.partition == "cutpoint" and not found)
         return session_output(prompt_ids, token_ids, log_probs or None, spo, metrics, [output.extra_fields or {}])
 
     async def _score_response(self, row: dict[str, Any], response_ids: list[int]) -> float:
         """A whole response decoded as verl's reward manager decodes it (without special tokens), scored."""
         return await self.score_text(row, self.tokenizer.decode(response_ids, skip_special_tokens=True))
+
+
+def chain_row(starts: list[int], values: list, created: list[bool], capped: bool, truncated: bool,
+              cutpoint_requests: int = 0, no_cutpoint: bool = False) -> ChainRow:
+    """A chain's row for the estimator: each boundary's Monte Carlo value, and the cost of the estimates
+    this session started (``created``; an estimate of a prefix another session shares counts there)."""
+    started_here = [value for value, mine in zip(values, created) if mine]
+    return ChainRow(
+        segment_starts=starts,
+        boundary_values=[value.value for value in values],
+        truncated=truncated,
+        chain=ChainStatistics(
+            boundaries=len(starts),
+            mc_continuations=sum(v.continuations for v in started_here),
+            mc_tokens=sum(v.continuation_tokens for v in started_here),
+            mc_truncated=sum(v.truncated for v in started_here),
+            cutpoint_requests=cutpoint_requests,
+            no_cutpoint=no_cutpoint,
+            capped=capped,
+        ),
+    )

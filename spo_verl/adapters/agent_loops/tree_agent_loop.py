@@ -47,6 +47,78 @@ class _TreeJob:
     next_slot: itertools.count = field(default_factory=itertools.count)
 
 
+class _FixedTree:
+    """``branch_at=fixed``: every node forks into ``branching`` children after ``segment_tokens``."""
+
+    def __init__(self, loop: SPOTreeAgentLoop, kwargs: dict[str, Any]):
+        self.loop, self.settings = loop, loop.settings
+        check_tree_fits(self.settings.branching, tree_segment_budgets(self.settings), loop.response_length,
+                        loop.rollout_config.n, self.settings.align_to_block)
+
+    async def prompt_ids(self, row: dict[str, Any]) -> list[int]:
+        return await self.loop.ct_build_initial_tokens(list(row["raw_prompt"]))
+
+    async def sample(self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any],
+                     row: dict[str, Any]) -> SampledTree:
+        return await sample_tree(self.loop.server_manager.generate, request_id=request_id, prompt_ids=prompt_ids,
+                                 sampling_params=sampling_params, branching=self.settings.branching,
+                                 segment_budgets=tree_segment_budgets(self.settings),
+                                 response_length=self.loop.response_length, eos_token_ids=self.loop.eos_token_ids,
+                                 align_to_block=self.settings.align_to_block)
+
+    def leaf(self, tree: SampledTree, leaf: int, token_ids: list[int], row: dict[str, Any]) -> tuple[bool, Dialogue | None]:
+        """Whether the leaf was cut by the length limit (the estimator scores it by
+        ``algorithm.spo.truncated_response_score``), and its dialogue (none: one response)."""
+        return cut_by_length_limit(token_ids, self.loop.response_length, self.loop.eos_token_ids), None
+
+
+class _CutpointTree(_FixedTree):
+    """``branch_at=cutpoint``: whole responses fork at their low-probability tokens."""
+
+    def __init__(self, loop: SPOTreeAgentLoop, kwargs: dict[str, Any]):
+        self.loop, self.settings = loop, loop.settings
+        check_cutpoint_tree_fits(self.settings.cutpoint, loop.rollout_config.n)
+
+    async def sample(self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any],
+                     row: dict[str, Any]) -> SampledTree:
+        return await sample_cutpoint_tree(self.loop.server_manager.generate, request_id, prompt_ids, sampling_params,
+                                          self.settings.cutpoint, self.loop.response_length, self.loop.eos_token_ids)
+
+
+class _TurnTree:
+    """``branch_at=turn``: a multi-turn episode forks between the model's turns."""
+
+    def __init__(self, loop: SPOTreeAgentLoop, kwargs: dict[str, Any]):
+        self.loop, self.settings = loop, loop.settings
+        check_tree_fits(self.settings.branching, (), loop.response_length, loop.rollout_config.n)  # a turn is as long as it is
+        self.player = EpisodePlayer(loop.config, loop.tokenizer, kwargs.get("tools"))
+
+    async def prompt_ids(self, row: dict[str, Any]) -> list[int]:
+        return await self.player.prompt_ids(self.loop, row["raw_prompt"])
+
+    async def sample(self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any],
+                     row: dict[str, Any]) -> SampledTree:
+        player = self.player
+        tree = await sample_turn_tree(self.loop.server_manager.generate, request_id, prompt_ids, sampling_params,
+                                      player.start(row), player.render, player.decode, player.rules,
+                                      self.settings.branching)
+        for leaf in tree.leaves():
+            log_environment_error(row, tree.nodes[leaf].error)
+        return tree
+
+    def leaf(self, tree: SampledTree, leaf: int, token_ids: list[int], row: dict[str, Any]) -> tuple[bool, Dialogue | None]:
+        """A leaf that its environment did not end scores 0, as its episode does; its dialogue: the
+        model's turns in the mask, the environment's replies out."""
+        node, mask = tree.nodes[leaf], tree.response_mask(leaf)
+        turns, replies = _runs(mask, 1), _runs(mask, 0)
+        dialogue = Dialogue(mask, 1 + turns + replies, node.reward,
+                            EpisodeStatistics(turns, mask.count(0), node.ended_by, node.error), row_problem(row))
+        return node.ended_by != ENDED_BY_ENVIRONMENT, dialogue
+
+
+TREE_SAMPLERS = {"fixed": _FixedTree, "cutpoint": _CutpointTree, "turn": _TurnTree}
+
+
 @register("spo_tree")
 class SPOTreeAgentLoop(AgentLoopBase):
     _jobs: ClassVar[PromptJobs[_TreeJob]] = PromptJobs()
@@ -55,15 +127,9 @@ class SPOTreeAgentLoop(AgentLoopBase):
         super().__init__(*args, **kwargs)
         self.settings = parse_spo_settings(self.config.algorithm.get("spo", None)).tree
         self.response_length = self.rollout_config.response_length
+        self.eos_token_ids = {self.tokenizer.eos_token_id}
         self.legacy_trainer = not self.config.trainer.get("use_v1", True)
-        if self.settings.branch_at == "cutpoint":
-            check_cutpoint_tree_fits(self.settings.cutpoint, self.rollout_config.n)
-        elif self.settings.branch_at == "turn":  # a turn is as long as it is: no segment budgets
-            check_tree_fits(self.settings.branching, (), self.response_length, self.rollout_config.n)
-            self.player = EpisodePlayer(self.config, self.tokenizer, kwargs.get("tools"))
-        else:
-            check_tree_fits(self.settings.branching, tree_segment_budgets(self.settings), self.response_length,
-                            self.rollout_config.n, self.settings.align_to_block)
+        self.sampler = TREE_SAMPLERS[self.settings.branch_at](self, kwargs)
 
     async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput | list[AgentLoopOutput]:
         def start() -> _TreeJob:
@@ -81,49 +147,17 @@ class SPOTreeAgentLoop(AgentLoopBase):
         return self._leaf_output(tree, leaf, metrics, kwargs, trains=False)
 
     async def _sample(self, sampling_params: dict[str, Any], kwargs: dict[str, Any]) -> tuple[SampledTree, dict]:
-        if self.settings.branch_at == "turn":
-            prompt_ids = await self.player.prompt_ids(self, kwargs["raw_prompt"])
-        else:
-            prompt_ids = await self.ct_build_initial_tokens(list(kwargs["raw_prompt"]))
+        prompt_ids = await self.sampler.prompt_ids(kwargs)
         metrics: dict[str, float] = {}
         request_id = uuid4().hex  # one id per tree: the whole subtree stays on one server's prefix cache
-        eos_token_ids = {self.tokenizer.eos_token_id}
         with simple_timer("generate_sequences", metrics):
-            if self.settings.branch_at == "turn":
-                tree = await sample_turn_tree(self.server_manager.generate, request_id, prompt_ids, sampling_params,
-                                              self.player.start(kwargs), self.player.render, self.player.decode,
-                                              self.player.rules, self.settings.branching)
-                for leaf in tree.leaves():
-                    log_environment_error(kwargs, tree.nodes[leaf].error)
-            elif self.settings.branch_at == "cutpoint":
-                tree = await sample_cutpoint_tree(self.server_manager.generate, request_id, prompt_ids, sampling_params,
-                                                  self.settings.cutpoint, self.response_length, eos_token_ids)
-            else:
-                tree = await sample_tree(
-                    self.server_manager.generate,
-                    request_id=request_id,
-                    prompt_ids=prompt_ids,
-                    sampling_params=sampling_params,
-                    branching=self.settings.branching,
-                    segment_budgets=tree_segment_budgets(self.settings),
-                    response_length=self.response_length,
-                    eos_token_ids=eos_token_ids,
-                    align_to_block=self.settings.align_to_block,
-                )
+            tree = await self.sampler.sample(request_id, prompt_ids, sampling_params, kwargs)
         return tree, metrics
 
     def _leaf_output(self, tree: SampledTree, leaf: int, metrics: dict, row: dict[str, Any],
                      trains: bool) -> AgentLoopOutput:
         token_ids, log_probs = tree.prefix(leaf)
-        node, dialogue = tree.nodes[leaf], None
-        if self.settings.branch_at == "turn":
-            mask = tree.response_mask(leaf)
-            turns, replies = _runs(mask, 1), _runs(mask, 0)
-            dialogue = Dialogue(mask, 1 + turns + replies, node.reward,
-                                EpisodeStatistics(turns, mask.count(0), node.ended_by, node.error), row_problem(row))
-            truncated = node.ended_by != ENDED_BY_ENVIRONMENT  # scores 0, as its episode does
-        else:  # the estimator scores a truncated leaf by algorithm.spo.truncated_response_score
-            truncated = cut_by_length_limit(token_ids, self.response_length, {self.tokenizer.eos_token_id})
+        truncated, dialogue = self.sampler.leaf(tree, leaf, token_ids, row)
         spo = TreeLeafRow(
             tree_id=tree.tree_id,  # unique per sampled tree; the estimator checks one tree per uid
             path=tree.path(leaf),
