@@ -89,7 +89,7 @@ RECORDED = sorted((REPO / "docs" / "results" / "gpu_check").glob("*.csv"))
 def test_benchmarks_page_holds_exactly_the_recorded_gpu_runs():
     """BENCHMARKS.md's GPU rows are the recorded GPU runs' CSVs rendered (``--record
     docs/results/gpu_check/*.csv``), nothing added by hand."""
-    assert [path.name for path in RECORDED] == ["gpu_check.csv", "share_sweep.csv", "third_run.csv"]
+    assert [path.name for path in RECORDED] == ["gpu_check.csv", "h100_run.csv", "share_sweep.csv", "third_run.csv"]
     runs = [(path.relative_to(REPO), read_csv(path)) for path in RECORDED]
     assert all(rows and all(row["dry_run"] == "0" for row in rows) for _, rows in runs)
     page = (REPO / "docs" / "BENCHMARKS.md").read_text()
