@@ -218,6 +218,9 @@ def compose_setting():
     it, unresolved (a CPU setting gets stand-ins for its builder's data files)."""
     from hydra import compose, initialize_config_dir
 
+    from spo_verl.adapters import config_resolvers
+
+    config_resolvers.install()  # the recipe's resolvers, for the callers that resolve it
     config_dir = str(Path(__file__).resolve().parents[1] / "recipe" / "spo" / "config")
 
     def composed(setting: str, algorithm: str, *overrides: str):

@@ -13,9 +13,9 @@ from verl.trainer.ppo.ray_trainer import compute_advantage
 import spo_verl.register  # noqa: F401
 from spo_verl.adapters.agent_loops.chain_agent_loop import SPOChainAgentLoop
 from spo_verl.core.algorithms import chain_token_advantages, cutpoint_segment_starts
-from spo_verl.core.batch_context import provide_spo_rows
+from spo_verl.adapters.advantage_channel import provide_spo_rows
 from spo_workbench.testing.verl_harness import compose_ppo_trainer, make_agent_loop, run_sessions
-from spo_verl.adapters.trainer.common import batch_metrics
+from spo_verl.adapters.trainer.step_metrics import batch_metrics
 
 in_session_loop = pytest.mark.asyncio(loop_scope="session")  # the server's client lives there
 RESPONSE_LENGTH = 48  # as the session server (workbench/spo_workbench/testing/verl_server.py): verl sizes its servers from rollout.response_length

@@ -7,8 +7,9 @@ from omegaconf import OmegaConf
 from verl.utils.config import omega_conf_to_dataclass
 
 import spo_verl.register  # noqa: F401
-from spo_verl.core.config import SPOConfigError, parse_spo_settings, tree_segment_budgets
-from spo_verl.adapters.policy_loss import SPOPolicyLossConfig
+from spo_verl.core.config import SPOConfigError, parse_spo_settings
+from spo_verl.core.rollout.tree_shape import tree_segment_budgets
+from spo_verl.adapters.policy_loss import SPOPolicyLossConfig, prob_mask_settings
 from spo_workbench.testing.verl_harness import compose_ppo_trainer
 
 
@@ -72,7 +73,7 @@ def test_settings_compose_with_verls_ppo_trainer_and_reach_the_actor_config():
     actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
     assert isinstance(actor.policy_loss, SPOPolicyLossConfig)
     assert actor.policy_loss.loss_mode == "spo_prob_mask"
-    assert actor.policy_loss._spo_prob_mask.threshold == 0.8
+    assert prob_mask_settings(actor).threshold == 0.8  # what the loss reads on the actor
     assert parse_spo_settings(config.algorithm.spo).prob_mask.threshold == 0.8
 
 
@@ -81,3 +82,46 @@ def test_invalid_setting_fails_when_verl_builds_the_actor_config():
     # Hydra wraps the error; the message still names the key and the allowed values.
     with pytest.raises(InstantiationException, match=r"algorithm\.spo\.prob_mask\.normalization must be one of"):
         omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+
+
+def _flat_defaults(settings, prefix=""):
+    """``algorithm.spo``'s keys with the schema's defaults, as YAML would write them (tuples as lists)."""
+    import dataclasses
+
+    flat = {}
+    for f in dataclasses.fields(settings):
+        value = getattr(settings, f.name)
+        if dataclasses.is_dataclass(value):
+            flat.update(_flat_defaults(value, f"{prefix}{f.name}."))
+        else:
+            flat[f"{prefix}{f.name}"] = list(value) if isinstance(value, tuple) else value
+    return flat
+
+
+def test_each_default_is_stated_once_in_the_schema_and_the_yaml_and_settings_page_agree_with_it():
+    """The settings' defaults live in the schema (``spo_verl.core.config``); the recipe's base config
+    (``spo_trainer.yaml``, before a setting or bundle changes anything) and docs/SETTINGS.md's table name
+    exactly its keys, and the YAML exactly its defaults."""
+    import re
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    defaults = _flat_defaults(parse_spo_settings(None))
+    base = OmegaConf.load(repo / "recipe" / "spo" / "config" / "spo_trainer.yaml").algorithm.spo
+    in_yaml = _flat_defaults_of_mapping(OmegaConf.to_container(base))
+    # tree.branch_at is the bundle's (spo_tree: fixed, spo_tree_cutpoint: cutpoint), not the base's.
+    assert in_yaml == {key: value for key, value in defaults.items() if key != "tree.branch_at"}
+    bundle = OmegaConf.load(repo / "recipe" / "spo" / "config" / "spo_algorithm" / "spo_tree.yaml")
+    assert OmegaConf.select(bundle, "algorithm.spo.tree.branch_at") == defaults["tree.branch_at"]
+    table = re.findall(r"^\| `([a-z_.]+)` \| `", (repo / "docs" / "SETTINGS.md").read_text(), re.M)
+    assert sorted(table) == sorted(defaults)
+
+
+def _flat_defaults_of_mapping(mapping, prefix=""):
+    flat = {}
+    for key, value in mapping.items():
+        if isinstance(value, dict):
+            flat.update(_flat_defaults_of_mapping(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

@@ -19,7 +19,7 @@ import torch
 
 from omegaconf import OmegaConf
 
-import spo_verl.core.config  # noqa: F401  the recipe's resolvers (spo_rows_tokens)
+from spo_verl.adapters import config_resolvers
 from spo_verl.tools.cpu_settings import smollm2 as cpu_smollm2
 
 
@@ -129,6 +129,7 @@ def test_the_run_scripts_take_the_task_from_smollm2_task(built, task):
         limits = cpu_smollm2.TASKS["steps6"]
         assert (limits.prompt_tokens, limits.response_tokens) == (336, 144)
         assert "max_prompt_length: 336" in result.stdout and "max_response_length: 144" in result.stdout
+        config_resolvers.install()  # the recipe's resolvers (spo_rows_tokens), to resolve the printed configuration
         printed = OmegaConf.create("\n".join(line for line in result.stdout.splitlines()  # the YAML, not the log lines
                                              if re.match(r"( |[a-z_]+:)", line) and not line.startswith("spo: ")))
         assert printed.actor_rollout_ref.rollout.max_model_len == 336 + 144  # follows the lengths (spo_rows_tokens)

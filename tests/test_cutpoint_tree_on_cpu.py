@@ -15,8 +15,9 @@ from verl.workers.rollout.replica import TokenOutput
 import spo_verl.register  # noqa: F401
 from spo_verl.adapters.agent_loops.tree_agent_loop import SPOTreeAgentLoop
 from spo_verl.core.algorithms import tree_advantages, tree_values
-from spo_verl.core.batch_context import provide_spo_rows
-from spo_verl.core.config import CutpointTreeSettings, cutpoint_tree_max_leaves, leaf_slots
+from spo_verl.adapters.advantage_channel import provide_spo_rows
+from spo_verl.core.config import CutpointTreeSettings
+from spo_verl.core.rollout.tree_shape import cutpoint_tree_max_leaves, leaf_slots
 from spo_workbench.testing.verl_harness import compose_ppo_trainer, make_agent_loop, run_sessions
 
 in_session_loop = pytest.mark.asyncio(loop_scope="session")  # the real server's client lives there

@@ -13,7 +13,7 @@ from verl import DataProto
 from verl.trainer.ppo.ray_trainer import compute_advantage
 
 import spo_verl.register  # noqa: F401
-from spo_verl.core.batch_context import provide_spo_rows
+from spo_verl.adapters.advantage_channel import provide_spo_rows
 from spo_verl.core.config import SPOConfigError
 from spo_verl.core.episodes.arithmetic import ArithmeticDialogue
 from spo_verl.core.episodes.environment import EnvironmentReply, environment_factory
@@ -219,7 +219,8 @@ def test_a_turn_cut_by_max_turn_tokens_goes_to_the_environment_and_the_reply_clo
 def test_per_turn_metrics_of_a_batch_of_episodes():
     """``spo/turns/*`` from each row's episode as the agent loops hand it on (any algorithm's; a copy
     that trains nothing has none), with SPO-chain's values before each turn where a row has them."""
-    from spo_verl.adapters.trainer.common import episodes_from_extra_fields, turn_metrics
+    from spo_verl.adapters.trainer.common import episodes_from_extra_fields
+    from spo_verl.adapters.trainer.step_metrics import turn_metrics
     from spo_verl.adapters.agent_loops.sessions import Dialogue, session_output
     from spo_verl.core.metadata import ChainRow, EpisodeStatistics
 
@@ -245,8 +246,8 @@ def test_verls_padding_copies_of_a_row_count_in_no_chain_or_turn_metric():
     out, exactly as if the batch had not been padded."""
     import torch
 
-    from spo_verl.adapters.trainer.common import batch_metrics
-    from spo_verl.core.batch_context import SPOBatchContext
+    from spo_verl.adapters.trainer.step_metrics import batch_metrics
+    from spo_verl.adapters.advantage_channel import SPOBatchContext
     from spo_verl.core.metadata import ChainRow, ChainStatistics, EpisodeStatistics
 
     first = ChainRow([0, 3], [0.5, 0.0], chain=ChainStatistics(2, 8, 40, 0, 0, False, False))

@@ -9,7 +9,7 @@ from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 from verl.trainer.ppo.ray_trainer import compute_advantage
 
 import spo_verl.register  # noqa: F401
-from spo_verl.core.batch_context import provide_spo_rows
+from spo_verl.adapters.advantage_channel import provide_spo_rows
 from spo_verl.adapters.estimators import SPOMetadataMissingError
 
 CHAIN_PROBS = [0.99, 0.72, 1.0, 0.85, 1.0, 0.56, 0.92, 0.23, 0.98, 0.11, 1.0]

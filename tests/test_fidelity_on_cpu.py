@@ -21,7 +21,7 @@ from verl.workers.rollout.replica import TokenOutput
 import spo_verl.register  # noqa: F401
 from spo_verl.adapters.agent_loops.chain_agent_loop import SPOChainAgentLoop
 from spo_verl.core.algorithms.segments import cut_by_length_limit, cutpoint_segment_starts, select_cutpoints
-from spo_verl.core.batch_context import SPOBatchContext, provide_spo_rows
+from spo_verl.adapters.advantage_channel import SPOBatchContext, provide_spo_rows
 from spo_verl.core.config import SPOConfigError, parse_spo_settings
 from spo_verl.adapters.policy_loss import SPOPolicyLossConfig, spo_ppo_loss
 from spo_verl.adapters.rewards import compute_score
@@ -32,7 +32,7 @@ from spo_verl.core.rollout.chain import (
     segment_starts,
 )
 from spo_workbench.testing.verl_harness import compose_ppo_trainer, loss_batch, run_sessions
-from spo_verl.adapters.trainer.common import batch_metrics
+from spo_verl.adapters.trainer.step_metrics import batch_metrics
 
 in_session_loop = pytest.mark.asyncio(loop_scope="session")  # the server's client lives there
 EOS = 99

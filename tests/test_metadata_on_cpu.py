@@ -6,7 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from spo_verl.core.batch_context import provide_spo_rows
+from spo_verl.adapters.advantage_channel import provide_spo_rows
 from spo_verl.adapters.estimators import compute_spo_chain_advantage
 from spo_verl.core.metadata import (
     ChainRow,

@@ -13,8 +13,7 @@ from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
 from verl.trainer.ppo.ray_trainer import compute_advantage
 
-from spo_verl.core.batch_context import advantages_at_actor_update, advantages_deferred
-from spo_verl.core.config import parse_spo_settings
+from spo_verl.adapters.advantage_channel import advantages_at_actor_update, advantages_deferred
 from spo_verl.core.metadata import EPISODE_FIELD
 from spo_verl.adapters.estimators import SPOMetadataMissingError
 from spo_verl.adapters.trainer.legacy import SPORayPPOTrainer, spo_advantage_step
@@ -37,7 +36,8 @@ def run_spo_step(data, algorithm_config, rollout_n, trainer=None):
         trainer.config = OmegaConf.create({})
     trainer.config = OmegaConf.merge({"algorithm": algorithm_config, "actor_rollout_ref": {"rollout": {"n": rollout_n}}},
                                      trainer.config)
-    return spo_advantage_step(data, trainer, parse_spo_settings(trainer.config.algorithm.get("spo")))
+    trainer.init_spo_state(trainer.config)  # what the constructor does after verl's
+    return spo_advantage_step(data, trainer)
 
 
 def legacy_batch(rows, rewards, lengths, width, uids):
@@ -258,6 +258,7 @@ def test_packed_training_keeps_each_uid_on_one_rank(packed):
     trainer = object.__new__(SPORayPPOTrainer)
     trainer.config = OmegaConf.create({"algorithm": {"spo": {"packed_training": packed}},
                                        "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 2}}})
+    trainer.init_spo_state(trainer.config)
     trainer.actor_rollout_wg = None
     trainer._get_dp_size = lambda group, role: 2
     uids = ["a", "b", "c", "d"] * 3  # interleaved, as the rollout returns them
@@ -276,13 +277,19 @@ def test_packed_training_keeps_each_uid_on_one_rank(packed):
 
 
 def test_the_trainer_parses_its_spo_settings_once(monkeypatch):
-    from spo_verl.adapters.trainer import common
+    """When it is built; its steps use what it read (the estimators through the advantage channel)."""
+    from spo_verl.adapters import settings
 
     calls = []
-    monkeypatch.setattr(common, "parse_spo_settings", lambda raw: calls.append(raw) or object())
+    parse = settings.parse_spo_settings
+    monkeypatch.setattr(settings, "parse_spo_settings", lambda raw: calls.append(raw) or parse(raw))
     trainer = object.__new__(SPORayPPOTrainer)
-    trainer.config = OmegaConf.create({"algorithm": ALGORITHM})
-    assert common.spo_settings_of(trainer) is common.spo_settings_of(trainer) and len(calls) == 1
+    trainer.config = OmegaConf.create({"algorithm": ALGORITHM, "actor_rollout_ref": {"rollout": {"n": 4}}})
+    trainer.init_spo_state(trainer.config)
+    rows = [{"tree_id": "t", "path": [leaf], "segment_ends": [2], "trains": True} for leaf in (1, 2)]
+    for _ in range(2):
+        spo_advantage_step(legacy_batch(rows, [1.0, 0.0], [2, 2], 3, ["u", "u"]), trainer)
+    assert len(calls) == 1
 
 
 class TextTokenizer:

@@ -17,7 +17,7 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopO
 from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 
 from spo_verl.adapters.estimators import SPOMetadataMissingError
-from spo_verl.adapters.trainer.common import lift_spo_metrics
+from spo_verl.adapters.trainer.step_metrics import lift_spo_metrics
 from spo_verl.adapters.trainer.v1 import SPOTrainer
 
 PAPER_LEAF_REWARDS = [1, 0, 1, 1, 1, 1, 0, 0, 0]
@@ -78,7 +78,7 @@ def trainer(adv_estimator="spo_tree", **spo):
     )
     instance = SPOTrainer.__new__(SPOTrainer)  # no workers: only the advantage step is exercised
     instance.config = config
-    instance.init_spo_state()
+    instance.init_spo_state(config)  # what the constructor does before verl's
     return instance
 
 

@@ -13,9 +13,10 @@ from verl.trainer.ppo.ray_trainer import compute_advantage
 
 import spo_verl.register  # noqa: F401
 from spo_verl.adapters.agent_loops.tree_agent_loop import SPOTreeAgentLoop
-from spo_verl.adapters.trainer.common import batch_metrics, episodes_from_extra_fields
+from spo_verl.adapters.trainer.common import episodes_from_extra_fields
+from spo_verl.adapters.trainer.step_metrics import batch_metrics
 from spo_verl.core.algorithms import tree_advantages, tree_values
-from spo_verl.core.batch_context import provide_spo_rows
+from spo_verl.adapters.advantage_channel import provide_spo_rows
 from spo_verl.core.rollout.tree import block_aligned_budget, sample_tree
 from spo_workbench.testing.verl_harness import compose_ppo_trainer, make_agent_loop, run_sessions
 

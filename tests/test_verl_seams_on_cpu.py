@@ -17,7 +17,7 @@ from verl.trainer.ppo.ray_trainer import compute_advantage
 from verl.workers.rollout.replica import TokenOutput
 
 import spo_verl.register  # noqa: F401
-from spo_verl.core.batch_context import provide_spo_rows
+from spo_verl.adapters.advantage_channel import provide_spo_rows
 from spo_verl.core.rollout.chain import monte_carlo_value
 from spo_verl.core.rollout.server_output import AbortedGeneration, merged_weight_versions
 from spo_verl.core.rollout.tree import sample_tree

@@ -1,8 +1,10 @@
 """verl adapters: the ``spo_chain`` and ``spo_tree`` advantage estimators.
 
-Both take verl's estimator arguments and read the segment/tree metadata of each row from
-``spo_verl.core.batch_context``, where the SPO trainer adapters put it (as ``spo_verl.core.metadata`` rows); the
-maths is in ``spo_verl.core.algorithms``.
+Each registered estimator takes verl's estimator arguments and hands them to
+``spo_verl.adapters.advantage_channel.serve``, which reads the batch's SPO rows (the segment/tree
+metadata of each row, as ``spo_verl.core.metadata`` rows) and settings from the channel the SPO trainer
+opened, runs the estimator's maths here on them and records what it returns; the maths is in
+``spo_verl.core.algorithms``.
 """
 
 from __future__ import annotations
@@ -16,65 +18,11 @@ from verl.trainer.ppo.core_algos import register_adv_est
 
 from spo_verl.core.algorithms.batched import chain_token_advantages_batched
 from spo_verl.core.algorithms.tree_rows import tree_token_advantages
-from spo_verl.core.batch_context import (
-    SPOBatchContext, TreeNodes, advantages_deferred, current_spo_context, is_padding_uid,
-)
-from spo_verl.core.config import SPOSettings, parse_spo_settings
-from spo_verl.core.metadata import SPO_FIELD, ChainRow, SPOMetadataMissingError, TreeLeafRow, from_extra_field
+from spo_verl.core.config import SPOSettings
+from spo_verl.core.metadata import ChainRow, SPOMetadataMissingError, TreeLeafRow
+from spo_verl.adapters.advantage_channel import EstimatorCall, EstimatorResult, TreeNodes, serve
 
 __all__ = ["SPOMetadataMissingError", "compute_spo_chain_advantage", "compute_spo_tree_advantage"]
-
-
-def _missing_metadata(estimator: str) -> SPOMetadataMissingError:
-    return SPOMetadataMissingError(
-        f"algorithm.adv_estimator={estimator} needs the per-response SPO metadata (extra_fields['{SPO_FIELD}']) "
-        f"that the '{estimator}' agent loop produces and the SPO trainer hands to the estimator. Set "
-        f"actor_rollout_ref.rollout.agent.default_agent_loop={estimator} and launch through the SPO recipe "
-        f"(python -m recipe.spo.main_spo, or scripts/run_{estimator}.sh), which installs that trainer."
-    )
-
-
-def _padding_rows(index: Any, batch_size: int) -> np.ndarray:
-    if index is None:
-        return np.zeros(batch_size, dtype=bool)
-    return np.array([is_padding_uid(uid) for uid in index], dtype=bool)
-
-
-def _deferred_placeholder(token_level_rewards: torch.Tensor):
-    """Zeros while the legacy trainer defers the SPO advantage step to its actor update
-    (``batch_context.advantages_at_actor_update``); None when this call is the real one."""
-    if current_spo_context() is None and advantages_deferred():
-        zeros = torch.zeros_like(token_level_rewards)
-        return zeros, zeros
-    return None
-
-
-def _rows_for(estimator: str, batch_size: int, index: Any) -> tuple[list, SPOBatchContext]:
-    context = current_spo_context()
-    if context is None:
-        raise _missing_metadata(estimator)
-    rows = context.rows
-    if len(rows) != batch_size:
-        raise ValueError(f"{estimator}: {len(rows)} metadata rows for a batch of {batch_size}")
-    padding = _padding_rows(index, batch_size)
-    # Skip verl's padding rows and the legacy trainer's stand-in copies of early-stopped leaves.
-    rows = [None if pad else from_extra_field(row) for row, pad in zip(rows, padding)]
-    rows = [None if row is None or (isinstance(row, TreeLeafRow) and not row.trains) else row for row in rows]
-    expected = TreeLeafRow if estimator == "spo_tree" else ChainRow
-    wrong = next((b for b, row in enumerate(rows) if row is not None and not isinstance(row, expected)), None)
-    if wrong is not None:
-        raise SPOMetadataMissingError(f"{estimator}: row {wrong} carries {type(rows[wrong]).__name__} metadata; "
-                                      f"algorithm.adv_estimator and the agent loop must name the same algorithm")
-    if batch_size and all(row is None for row in rows) and not padding.all():
-        raise _missing_metadata(estimator)
-    return rows, context
-
-
-def _settings(config: Any, context: SPOBatchContext) -> SPOSettings:
-    """The trainer's settings when it handed them over (parsed once per trainer), else ``config``'s."""
-    if context.settings is not None:
-        return context.settings
-    return parse_spo_settings(config.get("spo") if config is not None else None)
 
 
 def scores_zero(row: TreeLeafRow | ChainRow | None, settings: SPOSettings) -> bool:
@@ -125,11 +73,14 @@ def compute_spo_chain_advantage(
         returns: `(torch.Tensor)`
             shape is (bs, response_length); the same tensor as ``advantages``
     """
-    if (placeholder := _deferred_placeholder(token_level_rewards)) is not None:
-        return placeholder
+    return serve("spo_chain", ChainRow, chain_advantages, token_level_rewards, response_mask, index, config)
+
+
+def chain_advantages(call: EstimatorCall) -> EstimatorResult:
+    """SPO-chain's maths on the batch's rows: every response token's segment advantage (rows without
+    metadata get 0)."""
+    rows, settings, token_level_rewards, response_mask = call.rows, call.settings, call.token_level_rewards, call.response_mask
     batch_size, length = response_mask.shape
-    rows, context = _rows_for("spo_chain", batch_size, index)
-    settings = _settings(config, context)
     starts_of, values_of = [], []
     for b, row in enumerate(rows):
         row_starts = list(row.segment_starts) if row is not None else []
@@ -162,8 +113,7 @@ def compute_spo_chain_advantage(
     advantages = chain_token_advantages_batched(
         starts.to(device), values.to(device), counts.to(device), rewards.float(), length
     )
-    advantages = advantages.to(token_level_rewards.dtype) * response_mask
-    return advantages, advantages
+    return EstimatorResult(advantages.to(token_level_rewards.dtype) * response_mask)
 
 
 def _tree_advantage_metrics(result) -> dict[str, float]:
@@ -240,7 +190,7 @@ def compute_spo_tree_advantage(
     ``segment_ends`` (response offset where each path node's segment ends); a leaf's reward is the row's
     summed token-level reward (0 for a truncated leaf under ``truncated_response_score=zero``); the tree is the row's
     ``tree_id`` if given, else its uid. Each segment is trained by one row only; the mask of trained
-    tokens is left on the batch context for the trainer to apply to the loss.
+    tokens goes back through the advantage channel for the trainer to apply to the loss.
 
     Args:
         token_level_rewards: `(torch.Tensor)`
@@ -260,26 +210,26 @@ def compute_spo_tree_advantage(
         returns: `(torch.Tensor)`
             shape is (bs, response_length); the same tensor as ``advantages``
     """
-    if (placeholder := _deferred_placeholder(token_level_rewards)) is not None:
-        return placeholder
-    batch_size, _ = response_mask.shape
-    rows, context = _rows_for("spo_tree", batch_size, index)
-    settings = _settings(config, context)
+    return serve("spo_tree", TreeLeafRow, tree_advantages, token_level_rewards, response_mask, index, config)
+
+
+def tree_advantages(call: EstimatorCall) -> EstimatorResult:
+    """SPO-tree's maths on the batch's leaves: node values and advantages, each segment's advantage on
+    the tokens of the one row that trains it, the mask of those tokens, and the per-depth metrics."""
+    rows, settings, index = call.rows, call.settings, call.index
     tree_ids, paths, ends = _tree_fields(rows, index)
     _check_one_tree_per_uid(index, tree_ids)
     result = tree_token_advantages(
         tree_ids,
         paths,
         ends,
-        rewards=_trajectory_rewards(token_level_rewards, rows, settings),
-        response_mask=response_mask,
+        rewards=_trajectory_rewards(call.token_level_rewards, rows, settings),
+        response_mask=call.response_mask,
         std_normalize=settings.tree.std_normalize,
         drop_zero_advantage=settings.tree.drop_zero_advantage,
         max_trained_segments_per_tree=settings.tree.max_trained_segments_per_prompt,
         zero_untrained=True,  # untrained tokens get 0 in the same pass
     )
-    context.trained_mask = result.trained_mask
-    context.metrics.update(_tree_advantage_metrics(result))
-    context.tree_nodes = TreeNodes(tree_ids, paths, result.node_values, result.node_advantages)
-    advantages = result.token_advantages
-    return advantages, advantages
+    return EstimatorResult(result.token_advantages, trained_mask=result.trained_mask,
+                           metrics=_tree_advantage_metrics(result),
+                           tree_nodes=TreeNodes(tree_ids, paths, result.node_values, result.node_advantages))

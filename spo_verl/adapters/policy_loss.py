@@ -19,14 +19,14 @@ from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import no_padding_2_padding
 
 from spo_verl.core.algorithms.masked_loss import (
-    masked_mean,
     probability_mask,
     ratio_too_high,
     reference_kl_term,
     reference_policy_loss,
     unless_ratio_too_high,
 )
-from spo_verl.core.config import ProbMaskSettings, parse_spo_settings
+from spo_verl.core.config import ProbMaskSettings
+from spo_verl.adapters.settings import spo_section_settings
 
 LOSS_NAME = "spo_prob_mask"
 
@@ -39,16 +39,14 @@ class SPOPolicyLossConfig(PolicyLossConfig):
     spo: Optional[dict] = None
 
     def __post_init__(self):
-        object.__setattr__(self, "_spo_prob_mask", parse_spo_settings(self.spo).prob_mask)
+        spo_section_settings(self.spo)  # refuses a bad setting where the config is built
 
 
 def prob_mask_settings(actor_config: Any) -> ProbMaskSettings:
+    """``algorithm.spo.prob_mask`` as the recipe hands it to the actor (``policy_loss.spo``); the paper's
+    defaults without it."""
     policy_loss = actor_config.get("policy_loss", None) if actor_config is not None else None
-    cached = getattr(policy_loss, "_spo_prob_mask", None)
-    if cached is not None:
-        return cached
-    raw = policy_loss.get("spo", None) if policy_loss is not None else None
-    return parse_spo_settings(raw).prob_mask
+    return spo_section_settings(policy_loss.get("spo", None) if policy_loss is not None else None).prob_mask
 
 
 def _micro_batch_share(response_mask: torch.Tensor, global_batch_info: dict) -> torch.Tensor | float:

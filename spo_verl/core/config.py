@@ -7,8 +7,6 @@ error that names the key and the allowed values for anything invalid. verl adapt
 
 from __future__ import annotations
 
-import math
-
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
@@ -275,7 +273,9 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _parse_section(cls: type, raw: Any, prefix: str) -> Any:
+def parse_section(cls: type, raw: Any, prefix: str) -> Any:
+    """A settings dataclass ``cls`` from ``raw`` (a mapping, an OmegaConf node or None for its defaults), each
+    key checked and named under ``prefix`` in any error."""
     raw = _plain(raw)
     if raw is None:
         return cls()
@@ -292,7 +292,7 @@ def _parse_section(cls: type, raw: Any, prefix: str) -> Any:
         key = f"{prefix}.{f.name}"
         default = f.default_factory() if callable(f.default_factory) else f.default
         if is_dataclass(default):
-            values[f.name] = _parse_section(type(default), raw[f.name], key)
+            values[f.name] = parse_section(type(default), raw[f.name], key)
         else:
             values[f.name] = f.metadata["check"](key, raw[f.name])
     return cls(**values)
@@ -311,7 +311,7 @@ def _check_tree_shape(tree: TreeSettings) -> None:
 
 def parse_spo_settings(raw: Mapping | None) -> SPOSettings:
     """``algorithm.spo`` (a dict, an OmegaConf node or None for all defaults) to validated settings."""
-    settings = _parse_section(SPOSettings, raw, NAMESPACE)
+    settings = parse_section(SPOSettings, raw, NAMESPACE)
     _check_tree_shape(settings.tree)
     if settings.chain.partition == "turn" and settings.turns.environment is None:
         raise SPOConfigError(f"{NAMESPACE}.chain.partition=turn needs {NAMESPACE}.turns.environment: the environment "
@@ -326,78 +326,3 @@ def parse_spo_settings(raw: Mapping | None) -> SPOSettings:
                                  f"{NAMESPACE}.turns.max_turns ({settings.turns.max_turns}) or use fewer depths")
     return settings
 
-
-def tree_segment_budgets(tree: TreeSettings) -> tuple[int, ...]:
-    """Token budget of every depth but the last, one entry per depth."""
-    inner_depths = len(tree.branching) - 1
-    if len(tree.segment_tokens) == 1:
-        return tree.segment_tokens * inner_depths
-    return tree.segment_tokens
-
-
-def leaf_slots(tree: Sequence[int] | Mapping) -> int:
-    """Number of leaf slots of an SPO tree, ``rollout.n`` of an SPO-tree run: ``prod(branching)`` of a
-    fixed tree, :func:`cutpoint_tree_max_leaves` of a cutpoint tree. ``tree``: the ``algorithm.spo.tree``
-    section, or a fixed tree's branching."""
-    raw = _plain(tree)
-    if isinstance(raw, Mapping):
-        settings = _parse_section(TreeSettings, raw, f"{NAMESPACE}.tree")
-        if settings.branch_at == "cutpoint":
-            return cutpoint_tree_max_leaves(settings.cutpoint)
-        raw = list(settings.branching)
-    return math.prod(_positive_int_list(f"{NAMESPACE}.tree.branching", list(raw)))
-
-
-def rows_tokens(rows: int, prompt_tokens: int, response_tokens: int) -> int:
-    """Tokens of ``rows`` rows of the longest prompt and response: a setting's token budgets follow
-    its lengths (``${spo_rows_tokens:2,${data.max_prompt_length},${data.max_response_length}}``)."""
-    return int(rows) * (int(prompt_tokens) + int(response_tokens))
-
-
-if not OmegaConf.has_resolver("spo_leaf_slots"):
-    # ``actor_rollout_ref.rollout.n: ${spo_leaf_slots:${algorithm.spo.tree}}`` in the recipe.
-    OmegaConf.register_new_resolver("spo_leaf_slots", leaf_slots)
-if not OmegaConf.has_resolver("spo_rows_tokens"):
-    OmegaConf.register_new_resolver("spo_rows_tokens", rows_tokens)
-
-
-def cutpoint_tree_max_leaves(cutpoint: CutpointTreeSettings) -> int:
-    """The most leaves a cutpoint tree can have: every path forks ``max_forks`` times into ``width``
-    new paths, for ``rounds`` rounds."""
-    per_path = cutpoint.max_forks * cutpoint.width
-    return cutpoint.responses * sum(per_path**r for r in range(cutpoint.rounds + 1))
-
-
-def check_cutpoint_tree_fits(cutpoint: CutpointTreeSettings, rollout_n: int) -> None:
-    leaves = cutpoint_tree_max_leaves(cutpoint)
-    if rollout_n < leaves:
-        raise ValueError(
-            f"algorithm.spo.tree.branch_at=cutpoint with responses={cutpoint.responses}, max_forks={cutpoint.max_forks}, "
-            f"width={cutpoint.width}, rounds={cutpoint.rounds} can sample up to {leaves} leaves a prompt, more than "
-            f"actor_rollout_ref.rollout.n={rollout_n} sessions can return: set rollout.n to {leaves} or lower those settings"
-        )
-
-
-def check_tree_fits(branching, segment_budgets, response_length: int, rollout_n: int,
-                    align_to_block: int | None = None) -> None:
-    """Config-time checks of the tree shape against verl's rollout settings."""
-    leaves = math.prod(branching)
-    if rollout_n != leaves:
-        raise ValueError(
-            f"actor_rollout_ref.rollout.n must equal the number of leaf slots of algorithm.spo.tree.branching "
-            f"{list(branching)} ({leaves}), got {rollout_n}"
-        )
-    if sum(segment_budgets) >= response_length:
-        raise ValueError(
-            f"algorithm.spo.tree.segment_tokens {list(segment_budgets)} use {sum(segment_budgets)} tokens before the "
-            f"last depth, which leaves nothing of actor_rollout_ref.rollout.response_length={response_length}"
-        )
-    if align_to_block and segment_budgets:
-        # The first depth grows by up to a block less one token; later depths by what rounds them to a block.
-        longest = sum(segment_budgets) + align_to_block - 1 + sum(-b % align_to_block for b in segment_budgets[1:])
-        if longest >= response_length:
-            raise ValueError(
-                f"algorithm.spo.tree.segment_tokens {list(segment_budgets)} aligned to algorithm.spo.tree.align_to_block="
-                f"{align_to_block} can use {longest} tokens before the last depth, which leaves nothing of "
-                f"actor_rollout_ref.rollout.response_length={response_length}"
-            )

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import sys
-from pathlib import Path
 
 from spo_verl.tools.metrics_log import read_logged_steps
 

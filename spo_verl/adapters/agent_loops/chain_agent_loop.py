@@ -25,7 +25,7 @@ from spo_verl.adapters.agent_loops.episode_agent_loop import EpisodePlayer
 from spo_verl.adapters.agent_loops.sessions import Dialogue, PromptJobs, session_output
 from spo_verl.adapters.reward_function import RowScorer
 from spo_verl.core.algorithms.segments import cut_by_length_limit
-from spo_verl.core.config import parse_spo_settings
+from spo_verl.adapters.settings import spo_settings
 from spo_verl.core.episodes.episode import ENDED_BY_ENVIRONMENT, turn_value
 from spo_verl.core.metadata import ChainRow, ChainStatistics
 from spo_verl.core.rollout.chain import BoundaryValueCache, cap_boundaries, monte_carlo_value, segment_starts
@@ -47,7 +47,7 @@ class SPOChainAgentLoop(AgentLoopBase):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        settings = parse_spo_settings(self.config.algorithm.get("spo", None))
+        settings = spo_settings(self.config.algorithm)
         self.settings = settings.chain
         self.score_truncated = settings.truncated_response_score == "reward_function"
         self.response_length = self.rollout_config.response_length

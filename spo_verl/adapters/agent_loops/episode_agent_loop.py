@@ -20,7 +20,7 @@ from verl.utils.profiler import simple_timer
 from spo_verl.adapters.agent_loops.sessions import Dialogue, session_output
 from spo_verl.adapters.agent_loops.tool_environment import VERL_TOOLS, ToolEnvironment
 from spo_verl.adapters.reward_function import RowScorer
-from spo_verl.core.config import parse_spo_settings
+from spo_verl.adapters.settings import spo_settings
 from spo_verl.core.episodes.environment import Environment, EnvironmentReply, environment_factory, reset_environment
 from spo_verl.core.episodes.episode import Episode, EpisodeRules, play
 
@@ -50,7 +50,7 @@ class EpisodePlayer:
     worker hands every agent loop (the tools of ``rollout.multi_turn``), for ``verl_tools``."""
 
     def __init__(self, config: Any, tokenizer, tools: Any = None):
-        settings = parse_spo_settings(config.algorithm.get("spo", None))
+        settings = spo_settings(config.algorithm)
         rollout = config.actor_rollout_ref.rollout
         if settings.turns.environment is None:
             raise ValueError("multi-turn episodes need algorithm.spo.turns.environment: a registered environment "

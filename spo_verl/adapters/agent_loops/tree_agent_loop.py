@@ -32,7 +32,9 @@ from verl.utils.profiler import simple_timer
 from spo_verl.adapters.agent_loops.episode_agent_loop import EpisodePlayer, log_environment_error
 from spo_verl.adapters.agent_loops.sessions import Dialogue, PromptJobs, row_problem, session_output
 from spo_verl.core.algorithms.segments import cut_by_length_limit
-from spo_verl.core.config import check_cutpoint_tree_fits, check_tree_fits, parse_spo_settings, tree_segment_budgets
+from spo_verl.adapters.tree_checks import check_cutpoint_tree_fits, check_tree_fits
+from spo_verl.adapters.settings import spo_settings
+from spo_verl.core.rollout.tree_shape import tree_segment_budgets
 from spo_verl.core.episodes.episode import ENDED_BY_ENVIRONMENT
 from spo_verl.core.episodes.turn_tree import sample_turn_tree
 from spo_verl.core.metadata import EpisodeStatistics, TreeLeafRow
@@ -125,7 +127,7 @@ class SPOTreeAgentLoop(AgentLoopBase):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.settings = parse_spo_settings(self.config.algorithm.get("spo", None)).tree
+        self.settings = spo_settings(self.config.algorithm).tree
         self.response_length = self.rollout_config.response_length
         self.eos_token_ids = {self.tokenizer.eos_token_id}
         self.legacy_trainer = not self.config.trainer.get("use_v1", True)

@@ -4,7 +4,7 @@ verl's agent-loop worker turns ``extra_fields["spo"]`` into the ``non_tensor_bat
 but ``RayPPOTrainer.fit`` runs its advantage step (the module function ``compute_advantage``) without
 it. ``SPORayPPOTrainer`` overrides five methods; the first two carry SPO's advantage step:
 
-* ``fit`` runs verl's ``fit`` unchanged inside ``batch_context.advantages_at_actor_update``: verl's
+* ``fit`` runs verl's ``fit`` unchanged inside ``advantage_channel.advantages_at_actor_update``: verl's
   advantage step gets zeros from an SPO estimator (nothing reads advantages between that step and the
   actor update when there is no critic, and SPO has none);
 * ``_update_actor`` runs SPO's step (``spo_verl.adapters.trainer.step``, the same as the default
@@ -28,23 +28,22 @@ import contextlib
 import torch
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer, compute_advantage
 
-from spo_verl.core.batch_context import advantages_at_actor_update
-from spo_verl.core.config import SPOSettings
 from spo_verl.core.metadata import EPISODE_FIELD, SPO_FIELD, episode_from_extra_field
-from spo_verl.adapters.trainer.common import (install_spo_actor_loss, lift_spo_metrics, plain_validation,
-                                              spo_settings_of, uses_spo_metadata)
-from spo_verl.adapters.trainer.packed_worker import enable_packed_training_on, packed_training_settings
+from spo_verl.adapters.advantage_channel import advantages_at_actor_update
+from spo_verl.adapters.trainer.common import plain_validation, uses_spo_metadata
+from spo_verl.adapters.trainer.hooks import SPOTrainerHooks
 from spo_verl.adapters.trainer.sample_log import SampledResponse
 from spo_verl.adapters.trainer.step import BatchView, advantage_inputs, after_advantages
-from spo_verl.adapters.trainer.token_budget import GENERATED_TOKENS, GeneratedTokenBudget
+from spo_verl.adapters.trainer.step_metrics import lift_spo_metrics
 from spo_verl.adapters.trainer.tree_balance import tree_order
 
 
-def spo_advantage_step(data, trainer, settings: SPOSettings) -> dict[str, float]:
+def spo_advantage_step(data, trainer) -> dict[str, float]:
     """SPO's step (``spo_verl.adapters.trainer.step``) on a legacy batch, in place: for an SPO estimator
     verl's ``compute_advantage`` with the batch's ``spo`` column visible to it and ``response_mask``
     narrowed to the trained segments; other estimators' advantages (verl's, from ``fit``) are left as
-    they are. Returns the step's ``spo/*`` metrics, ``spo/generated_tokens`` among them."""
+    they are, under the ``trainer``'s settings. Returns the step's ``spo/*`` metrics, ``spo/generated_tokens``
+    among them."""
     uids = [str(uid) for uid in data.non_tensor_batch["uid"]]
     column = data.non_tensor_batch.get(SPO_FIELD)
     episodes = data.non_tensor_batch.get(EPISODE_FIELD)
@@ -54,14 +53,14 @@ def spo_advantage_step(data, trainer, settings: SPOSettings) -> dict[str, float]
                      uids=uids, response_mask=response_mask,
                      fetch=lambda context, chosen: legacy_responses(data, context, response_mask, chosen))
     algorithm = trainer.config.algorithm
-    with advantage_inputs(view, algorithm.adv_estimator, settings) as context:
+    with advantage_inputs(view, algorithm.adv_estimator, trainer.spo_settings) as context:
         if context is not None:
             compute_advantage(
                 data, adv_estimator=algorithm.adv_estimator, gamma=algorithm.gamma, lam=algorithm.lam,
                 num_repeat=trainer.config.actor_rollout_ref.rollout.n,
                 norm_adv_by_std_in_grpo=algorithm.get("norm_adv_by_std_in_grpo", True), config=algorithm,
             )
-    metrics, trained = after_advantages(view, context, settings, trainer)
+    metrics, trained = after_advantages(view, context, trainer.spo_settings, trainer)
     if trained is not None:
         data.batch["response_mask"] = trained
     return metrics
@@ -87,10 +86,10 @@ def legacy_responses(data, context, response_mask, chosen: list[int]) -> list[Sa
     return responses
 
 
-class SPORayPPOTrainer(RayPPOTrainer):
+class SPORayPPOTrainer(SPOTrainerHooks, RayPPOTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._token_budget = GeneratedTokenBudget(spo_settings_of(self).generated_token_budget)
+        self.init_spo_state(self.config)
 
     def _create_dataloader(self, *args, **kwargs):
         super()._create_dataloader(*args, **kwargs)
@@ -98,8 +97,7 @@ class SPORayPPOTrainer(RayPPOTrainer):
 
     def init_workers(self):
         super().init_workers()
-        install_spo_actor_loss(self.actor_rollout_wg, self.config)
-        enable_packed_training_on([self.actor_rollout_wg, getattr(self, "ref_policy_wg", None)], self.config)
+        self.install_spo_on_workers()
 
     def fit(self):
         deferred = advantages_at_actor_update() if uses_spo_metadata(self.config) else contextlib.nullcontext()
@@ -110,7 +108,7 @@ class SPORayPPOTrainer(RayPPOTrainer):
         """With packed training, each uid's rows (a prompt's responses, an SPO tree's leaves) stay on one
         data-parallel rank and next to each other: verl's own group-level balancing, which it applies
         for ``use_prefix_grouper`` (set here for the call only; nothing else reads it in this trainer)."""
-        if packed_training_settings(self.config) is None:
+        if not self.spo_settings.packed_training:
             return super()._balance_batch(batch, metrics, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch)
         uids = [str(uid) for uid in batch.non_tensor_batch["uid"]]
         batch.reorder(torch.tensor(tree_order(uids)))  # verl's grouping expects each uid's rows contiguous
@@ -122,10 +120,8 @@ class SPORayPPOTrainer(RayPPOTrainer):
             self.use_prefix_grouper = grouping
 
     def _update_actor(self, batch):
-        spo_metrics = spo_advantage_step(batch, self, spo_settings_of(self))
+        spo_metrics = spo_advantage_step(batch, self)
         output = super()._update_actor(batch)
-        metrics = output.meta_info["metrics"]
-        lift_spo_metrics(metrics)
-        metrics.update(spo_metrics)
-        self._token_budget.record(self, spo_metrics[GENERATED_TOKENS], metrics)
+        lift_spo_metrics(output.meta_info["metrics"])
+        self.record_spo_step(spo_metrics, output.meta_info["metrics"])
         return output

@@ -16,7 +16,7 @@ import ray
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
-from spo_verl.core.config import parse_spo_settings
+from spo_verl.core.config import SPOSettings
 from spo_verl.adapters.packing.engine import PackedTrainingSettings, enable_packed_training
 
 __all__ = ["SPOActorRolloutRefWorker", "enable_packed_training_on", "packed_training_settings", "use_packed_worker"]
@@ -37,17 +37,17 @@ class SPOActorRolloutRefWorker(ActorRolloutRefWorker):
         return switched
 
 
-def packed_training_settings(config: Any) -> PackedTrainingSettings | None:
-    settings = parse_spo_settings(config.algorithm.get("spo"))
+def packed_training_settings(settings: SPOSettings) -> PackedTrainingSettings | None:
+    """What the packed engines need from the run's settings; None when packed training is off."""
     if not settings.packed_training:
         return None
     return PackedTrainingSettings.from_spo(settings)
 
 
-def use_packed_worker(role_worker_mapping: dict, config: Any) -> bool:
+def use_packed_worker(role_worker_mapping: dict, settings: SPOSettings) -> bool:
     """Swap verl's actor/rollout/reference worker for :class:`SPOActorRolloutRefWorker` in a trainer's
     role mapping when packed training is on; True if it did."""
-    if packed_training_settings(config) is None:
+    if packed_training_settings(settings) is None:
         return False
     swapped = False
     for role, remote_class in list(role_worker_mapping.items()):
@@ -60,18 +60,18 @@ def use_packed_worker(role_worker_mapping: dict, config: Any) -> bool:
     return True
 
 
-def enable_packed_training_on(worker_groups: list[Any], config: Any) -> list[str]:
+def enable_packed_training_on(worker_groups: list[Any], settings: SPOSettings) -> list[str]:
     """Call :meth:`SPOActorRolloutRefWorker.spo_enable_packed_training` on each distinct worker group;
     returns the roles switched (rank 0's answer per group)."""
-    settings = packed_training_settings(config)
-    if settings is None:
+    packed = packed_training_settings(settings)
+    if packed is None:
         return []
     switched, seen = [], set()
     for group in worker_groups:
         if group is None or id(group) in seen:
             continue
         seen.add(id(group))
-        switched.extend(group.spo_enable_packed_training(settings)[0])
+        switched.extend(group.spo_enable_packed_training(packed)[0])
     if "actor" not in switched:
         raise RuntimeError(f"algorithm.spo.packed_training: no actor engine was switched (got {switched})")
     return switched

@@ -18,6 +18,7 @@ from verl.trainer.main_ppo import TaskRunnerV1
 import spo_verl.register  # noqa: F401  (estimators, loss and agent loop in this process)
 from spo_verl.adapters.trainer import v1  # noqa: F401  (registers the 'spo' trainer mode)
 from spo_verl.adapters.trainer.legacy import SPORayPPOTrainer
+from spo_verl.adapters.settings import spo_settings
 from spo_verl.adapters.trainer.packed_worker import SPOActorRolloutRefWorker, use_packed_worker
 
 
@@ -34,7 +35,7 @@ class _SPOLegacyTaskRunner(main_ppo_v0.TaskRunner.__ray_actor_class__):
 
     def add_actor_rollout_worker(self, config):
         actor_rollout_cls, worker_group_cls = super().add_actor_rollout_worker(config)
-        if use_packed_worker(self.role_worker_mapping, config):
+        if use_packed_worker(self.role_worker_mapping, spo_settings(config.algorithm)):
             actor_rollout_cls = SPOActorRolloutRefWorker
         return actor_rollout_cls, worker_group_cls
 

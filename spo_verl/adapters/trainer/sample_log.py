@@ -55,8 +55,8 @@ import torch
 
 from spo_verl.core.algorithms.masked_loss import probability_mask
 from spo_verl.core.algorithms.tree_rows import build_forest
-from spo_verl.core.batch_context import TreeNodes, is_padding_uid
-from spo_verl.core.config import SPOSettings, parse_spo_settings
+from spo_verl.core.config import SPOSettings
+from spo_verl.adapters.advantage_channel import TreeNodes, is_padding_uid
 from spo_verl.adapters.estimators import scores_zero
 from spo_verl.core.metadata import ChainRow, EpisodeStatistics, SPORow, TreeLeafRow, episode_from_extra_field, from_extra_field
 
@@ -277,13 +277,12 @@ def step_record(
     loss_mode: str,
     responses: Sequence[SampledResponse],
     tokenizer: Any,
+    settings: SPOSettings,
     tree_nodes: TreeNodes | None = None,
-    settings: SPOSettings | None = None,
 ) -> dict:
     """One line of ``samples.jsonl`` for the chosen responses of a step (see the module docstring);
-    ``settings``: the trainer's ``algorithm.spo`` (else parsed from ``algorithm_config``)."""
+    ``settings``: the trainer's ``algorithm.spo``."""
     estimator = algorithm_config.get("adv_estimator")
-    settings = settings or parse_spo_settings(algorithm_config.get("spo"))
     threshold = settings.prob_mask.threshold
     record: dict[str, Any] = {
         "step": int(step), "algorithm": estimator, "loss_mode": loss_mode, "prob_mask_threshold": threshold,
@@ -328,14 +327,14 @@ def log_step(
     uids: Sequence[Any],
     lengths: Sequence[int],
     fetch: Callable[[list[int]], list[SampledResponse]],
+    spo_settings: SPOSettings,
     rows: Sequence[SPORow | None] | None = None,
     tree_nodes: TreeNodes | None = None,
     padding: Sequence[bool] | None = None,
-    settings: SPOSettings | None = None,
 ) -> Path | None:
     """Choose the rows of a step, fetch them (``fetch(batch indices)``), write one line. Returns the
-    file written, or None when the sample log is off or no row qualifies."""
-    spo_settings = settings or parse_spo_settings(config.algorithm.get("spo"))
+    file written, or None when the sample log is off or no row qualifies. ``spo_settings``: the
+    trainer's ``algorithm.spo``."""
     settings = spo_settings.sample_log
     if settings.dir is None:
         return None
@@ -345,8 +344,8 @@ def log_step(
     if not chosen:
         return None
     loss_mode = config.get("actor_rollout_ref", {}).get("actor", {}).get("policy_loss", {}).get("loss_mode", "vanilla")
-    record = step_record(step, config.algorithm, loss_mode, fetch(chosen), tokenizer, tree_nodes=tree_nodes,
-                         settings=spo_settings)
+    record = step_record(step, config.algorithm, loss_mode, fetch(chosen), tokenizer, spo_settings,
+                         tree_nodes=tree_nodes)
     try:
         return append_record(settings.dir, record)
     except OSError as error:  # a full disk or an unwritable folder does not stop training; a bug above does

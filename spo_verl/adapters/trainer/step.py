@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
-from spo_verl.core.batch_context import SPOBatchContext, is_padding_uid, provide_spo_rows
 from spo_verl.core.config import SPOSettings
-from spo_verl.adapters.trainer.common import SPO_ESTIMATORS, batch_metrics, turn_metrics, without_padding
+from spo_verl.adapters.advantage_channel import SPOBatchContext, is_padding_uid, provide_spo_rows
+from spo_verl.adapters.trainer.common import SPO_ESTIMATORS
+from spo_verl.adapters.trainer.step_metrics import batch_metrics, turn_metrics, without_padding
 from spo_verl.adapters.trainer.credit_step import step_credit_metrics
 from spo_verl.adapters.trainer.sample_log import SampledResponse, log_step
 from spo_verl.adapters.trainer.token_budget import GENERATED_TOKENS, step_generated_tokens
@@ -82,8 +83,8 @@ def after_advantages(view: BatchView, context: SPOBatchContext | None, settings:
 
     if settings.sample_log.dir is not None:
         log_step(trainer.global_steps, trainer.config, trainer.tokenizer, view.uids, [int(row.sum()) for row in mask], responses,
-                 rows=context.rows if context is not None else None,
-                 tree_nodes=context.tree_nodes if context is not None else None, padding=padding, settings=settings)
+                 settings, rows=context.rows if context is not None else None,
+                 tree_nodes=context.tree_nodes if context is not None else None, padding=padding)
     if settings.credit_metrics:
         real = [i for i, pad in enumerate(padding) if not pad]
         metrics.update(step_credit_metrics(responses(real), trainer.tokenizer, settings.prob_mask.threshold))

@@ -37,21 +37,13 @@ from verl.workers.utils.padding import response_to_nested
 
 from spo_verl.core.metadata import EPISODE_FIELD, SPO_FIELD
 from spo_verl.adapters.trainer.common import (
-    TRAINER_MODE,
-    check_no_per_row_rollout_n,
-    episodes_from_extra_fields,
-    extra_field_values,
-    install_spo_actor_loss,
-    lift_spo_metrics,
-    plain_validation,
-    spo_settings_of,
+    TRAINER_MODE, check_no_per_row_rollout_n, episodes_from_extra_fields, extra_field_values, plain_validation,
 )
-from spo_verl.adapters.trainer.packed_worker import (
-    enable_packed_training_on, packed_training_settings, use_packed_worker,
-)
+from spo_verl.adapters.trainer.hooks import SPOTrainerHooks
+from spo_verl.adapters.trainer.packed_worker import use_packed_worker
 from spo_verl.adapters.trainer.sample_log import SampledResponse
 from spo_verl.adapters.trainer.step import BatchView, advantage_inputs, after_advantages
-from spo_verl.adapters.trainer.token_budget import GENERATED_TOKENS, GeneratedTokenBudget
+from spo_verl.adapters.trainer.step_metrics import lift_spo_metrics
 from spo_verl.adapters.trainer.tree_balance import balance_keeping_trees
 
 # verl's sync replay buffer checks for finished rollouts every 2 s (its built-in default, not a setting),
@@ -65,23 +57,19 @@ LATE_TOKEN_FIELDS = ("old_log_probs", "advantages", "returns", "ref_log_prob", "
 
 
 @register_trainer(TRAINER_MODE)
-class SPOTrainer(PPOTrainerSync):
+class SPOTrainer(SPOTrainerHooks, PPOTrainerSync):
     def __init__(self, config):
         with open_dict(config):
             config.trainer.v1.trainer_mode = "sync"
+        self.init_spo_state(config)  # verl's constructor already builds the role mapping (packed worker)
         super().__init__(config)
-        self.init_spo_state()
 
-    def init_spo_state(self) -> None:
-        """What SPO keeps across a run's hooks: the token budget, and the rows whose trained mask is not
-        empty, from a step's advantage step to its actor update."""
-        self._token_budget = GeneratedTokenBudget(spo_settings_of(self).generated_token_budget)
-        self._spo_rows_to_train = None
+    #: The rows whose trained mask is not empty, from a step's advantage step to its actor update.
+    _spo_rows_to_train = None
 
     def init(self):
         super().init()
-        install_spo_actor_loss(self.actor_rollout_wg, self.config)
-        enable_packed_training_on([self.actor_rollout_wg, getattr(self, "ref_policy_wg", None)], self.config)
+        self.install_spo_on_workers()
 
     def _build_replay_buffer(self):
         buffer = super()._build_replay_buffer()
@@ -91,10 +79,10 @@ class SPOTrainer(PPOTrainerSync):
 
     def _init_resource_pool_mgr(self):
         super()._init_resource_pool_mgr()
-        use_packed_worker(self.role_worker_mapping, self.config)
+        use_packed_worker(self.role_worker_mapping, self.spo_settings)
 
     def _balance_batch(self, batch, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
-        if packed_training_settings(self.config) is None:
+        if not self.spo_settings.packed_training:
             return super()._balance_batch(batch, metrics, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch)
         return balance_keeping_trees(self, batch, metrics, logging_prefix)
 
@@ -110,12 +98,10 @@ class SPOTrainer(PPOTrainerSync):
         view = BatchView(rows=extra_field_values(extra_fields, SPO_FIELD), episodes=episodes_from_extra_fields(extra_fields),
                          uids=_stored_uids(stored), response_mask=stored["response_mask"].to_padded_tensor(0),
                          fetch=lambda context, chosen: self._fetch_responses(batch, stored, context, chosen))
-        settings = spo_settings_of(self)
-        with advantage_inputs(view, self.config.algorithm.adv_estimator, settings) as context:
+        with advantage_inputs(view, self.config.algorithm.adv_estimator, self.spo_settings) as context:
             batch = super()._compute_advantage(batch, metrics)
-        step_metrics, trained = after_advantages(view, context, settings, self)
-        metrics.update(step_metrics)
-        self._token_budget.record(self, step_metrics[GENERATED_TOKENS], metrics)
+        step_metrics, trained = after_advantages(view, context, self.spo_settings, self)
+        self.record_spo_step(step_metrics, metrics)
         self._spo_rows_to_train = None
         if trained is not None:  # the loss narrowed to the trained segments, as verl's rollout correction masks
             self._spo_rows_to_train = trained.sum(dim=1) > 0

@@ -31,8 +31,10 @@ import spo_verl.register  # noqa: F401  (agent loops registered before they are 
 from spo_verl.adapters.agent_loops.tool_environment import VERL_TOOLS
 from spo_verl.adapters.policy_loss import LOSS_NAME
 from spo_verl.adapters.trainer.common import SPO_AGENT_LOOPS, SPO_ESTIMATORS, TRAINER_MODE, plays_episodes
-from spo_verl.core.config import check_cutpoint_tree_fits, check_tree_fits, parse_spo_settings, tree_segment_budgets
+from spo_verl.adapters.tree_checks import check_cutpoint_tree_fits, check_tree_fits
+from spo_verl.adapters.settings import spo_settings
 from spo_verl.core.episodes.environment import environment_factory
+from spo_verl.core.rollout.tree_shape import tree_segment_budgets
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +46,7 @@ VLLM_DEFAULT_BLOCK_SIZE = {"cuda": 16, "cpu": 128}
 def validate_spo_run(config: Any) -> None:
     """Raise ``ValueError`` naming the setting to change if the configuration cannot run SPO."""
     check_registered_names(config)
-    settings = parse_spo_settings(config.algorithm.get("spo"))
+    settings = spo_settings(config.algorithm)
     estimator = config.algorithm.adv_estimator
     rollout = config.actor_rollout_ref.rollout
     agent_loop = rollout.agent.default_agent_loop

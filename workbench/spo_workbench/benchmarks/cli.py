@@ -82,7 +82,7 @@ def run_maths(report: Report, quick: bool, repeats: int, threads: int) -> dict:
 Both sides through verl's own registry (`verl.trainer.ppo.core_algos.get_adv_estimator_fn`) on the same
 tensors, as verl's `compute_advantage` calls them: `grpo` with `norm_adv_by_std_in_grpo=True` (verl's
 default), `spo_chain`/`spo_tree` with their per-row SPO metadata handed over by
-`spo_verl.core.batch_context.provide_spo_rows` as the SPO trainer does. Chains: responses of 1/4 to all of
+`spo_verl.adapters.advantage_channel.provide_spo_rows` as the SPO trainer does. Chains: responses of 1/4 to all of
 the width, 1-64 segments each at random cutpoints; trees: full 6-6-6 trees, one row per leaf, segments of
 width/3 tokens above the last depth. verl computes advantages on the driver's CPU, so these CPU figures
 are the ones that count on a cluster too.

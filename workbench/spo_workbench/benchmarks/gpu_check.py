@@ -47,7 +47,7 @@ COLUMNS = [
     "command", "date", "commit", "dry_run", "device_name", "device_memory_gib", "torch", "cuda", "transformers",
     "sdpa_enabled", "model", "parameters", "dtype", "check_seconds",
 ]
-NEEDED = ("torch", "transformers", "omegaconf")  # omegaconf: the SPO core's settings module registers resolvers
+NEEDED = ("torch", "transformers", "omegaconf")  # omegaconf: the SPO core's settings module reads OmegaConf nodes
 DRY_RUN_SCALE = 100  # the dry run's lengths and budgets are the cluster's divided by this
 FP32_REFERENCE_COST = 6  # a float32 token costs about this many bfloat16 ones on a GPU (for the time budget)
 

@@ -111,7 +111,7 @@ def estimator_call(name: str, data: EstimatorBatch):
     from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 
     import spo_verl.register  # noqa: F401
-    from spo_verl.core.batch_context import provide_spo_rows
+    from spo_verl.adapters.advantage_channel import provide_spo_rows
 
     config = OmegaConf.create({"adv_estimator": name, "norm_adv_by_std_in_grpo": True, "spo": {}})
     fn = get_adv_estimator_fn(name)

@@ -37,7 +37,7 @@ class TreeSetup:
                 f"+{tree}.branch_at={self.branch_at}", *(f"+{tree}.cutpoint.{setting}" for setting in self.cutpoint)]
 
     def leaf_slots(self) -> int:
-        from spo_verl.core.config import leaf_slots
+        from spo_verl.core.rollout.tree_shape import leaf_slots
 
         section = {"branching": list(self.branching), "segment_tokens": list(self.segment_tokens),
                    "branch_at": self.branch_at,
@@ -131,7 +131,7 @@ def _verl_advantages(leaves: list[Leaf], estimator: str, config, rows=None):
     from verl import DataProto
     from verl.trainer.ppo.ray_trainer import compute_advantage
 
-    from spo_verl.core.batch_context import provide_spo_rows
+    from spo_verl.adapters.advantage_channel import provide_spo_rows
 
     width = max(len(leaf.output.response_ids) for leaf in leaves)
     mask = torch.zeros(len(leaves), width)

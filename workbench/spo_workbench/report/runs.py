@@ -130,7 +130,7 @@ def generated_tokens(data: dict) -> float | None:
     return tokens
 
 
-#: Logged by trees that fork at cutpoints only (spo_verl.adapters.trainer.common.batch_metrics).
+#: Logged by trees that fork at cutpoints only (spo_verl.adapters.trainer.step_metrics.tree_metrics).
 CUTPOINT_TREE_KEY = "spo/tree/paths_per_tree"
 
 

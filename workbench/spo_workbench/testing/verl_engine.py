@@ -133,7 +133,7 @@ def rows_training_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Se
     from tensordict import NonTensorStack
     from verl.utils import tensordict_utils as tu
 
-    from spo_verl.core.batch_context import is_padding_uid
+    from spo_verl.adapters.advantage_channel import is_padding_uid
     from spo_workbench.testing.verl_harness import actor_batch
 
     batch = len(prompts)
