@@ -5,20 +5,34 @@ a node at the last depth holds the rest of the episode, every turn to its end. E
 parent's dialogue with its own fork of the environment as the parent left it, so siblings answer the
 same dialogue. A node whose episode ended (the environment ended it, a limit was reached or the
 environment failed) gets no children: it is a leaf, and its reward is the episode's (0 unless the
-environment ended it). The tree is a :class:`spo_verl.core.rollout.tree.SampledTree` whose nodes also
-carry the response mask of their tokens (the replies are 0) and, on leaves, the episode's outcome, so
-that the tree's values, advantages, session slots and rows are SPO-tree's own.
+environment ended it). The tree is a :class:`spo_verl.core.rollout.tree.SampledTree` of
+:class:`TurnNode`, which also carry the response mask of their tokens (the replies are 0) and, on leaves,
+the episode's outcome, so that the tree's values, advantages, session slots and rows are SPO-tree's own.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 from spo_verl.core.episodes.environment import Environment, forked
 from spo_verl.core.episodes.episode import TURN_LIMIT, Decode, EpisodeRules, Generate, Render, Turn, play
 from spo_verl.core.rollout.tree import ROOT, SampledTree, TreeNode
+
+
+@dataclass
+class TurnNode(TreeNode):
+    """A node of a tree over turns: which of its tokens are the model's (the environment's replies are 0),
+    and on a leaf how its episode ended, with its reward and the environment's error, if any."""
+
+    response_mask: list[int] = field(default_factory=list)
+    reward: float | None = None
+    ended_by: str | None = None
+    error: str | None = None
+
+    def token_mask(self) -> list[int]:
+        return self.response_mask
 
 
 async def sample_turn_tree(generate: Generate, request_id: str, prompt_ids: list[int], sampling_params: dict,
@@ -36,7 +50,7 @@ async def sample_turn_tree(generate: Generate, request_id: str, prompt_ids: list
     tree = SampledTree(prompt_ids=list(prompt_ids), branching=tuple(branching), nodes=[TreeNode(ROOT, -1, 0)],
                        tree_id=request_id)
 
-    async def grow(node: TreeNode, played: list[Turn], state: Environment, is_last: bool) -> None:
+    async def grow(node: TurnNode, played: list[Turn], state: Environment, is_last: bool) -> None:
         limit = rules if is_last else replace(rules, max_turns=len(played) + 1)
         episode = await play(generate, request_id, tree.prompt_ids, sampling_params, state, render, decode, limit,
                              played=played)
@@ -54,12 +68,8 @@ async def sample_turn_tree(generate: Generate, request_id: str, prompt_ids: list
 
     async def expand(parent: int, played: list[Turn], state: Environment) -> None:
         depth = tree.nodes[parent].depth
-        children = []
-        for _ in range(branching[depth]):
-            child = TreeNode(len(tree.nodes), parent, depth + 1)
-            tree.nodes.append(child)
-            tree.nodes[parent].children.append(child.node_id)
-            children.append((child, forked(state)))  # a fork that raises fails that child's episode
+        # A fork that raises fails that child's episode.
+        children = [(tree.add_child(parent, TurnNode), forked(state)) for _ in range(branching[depth])]
         await asyncio.gather(*(grow(child, list(played), fork, depth == len(branching) - 1)
                                for child, fork in children))
 

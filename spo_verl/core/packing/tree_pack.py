@@ -195,55 +195,97 @@ def _assemble(
     """The :class:`PackedTree` of a node graph: nodes (parent, tokens, tree, children in order), and
     per row its chain of nodes from its tree's root down (empty for a row that owns no token), whose
     tokens are exactly the row's prompt and response."""
-    batch = len(chains)
     width = max(response_lengths, default=0) if response_width is None else int(response_width)
     if max(response_lengths, default=0) > width:
         raise ValueError(f"a row has {max(response_lengths)} response tokens, more than response_width={width}")
-
-    # Depth-first order, parents before children, tree after tree; spans and path positions.
-    num_nodes = len(node_parent)
-    order: list[int] = []
-    for root in [k for k in range(num_nodes) if node_parent[k] == -1]:
-        stack = [root]
-        while stack:
-            node = stack.pop()
-            order.append(node)
-            stack.extend(reversed(children[node]))
-    new_of = [0] * num_nodes
+    order = _depth_first_order(node_parent, children)
+    new_of = [0] * len(order)
     for new, old in enumerate(order):
         new_of[old] = new
     parents = [-1 if node_parent[old] < 0 else new_of[node_parent[old]] for old in order]
     tokens = [node_tokens[old] for old in order]
     trees = [node_tree[old] for old in order]
-    lengths = [len(t) for t in tokens]
-    starts, depths, offsets = [], [], []  # offsets: path position of the node's first token
-    cursor = 0
-    for k in range(num_nodes):
-        starts.append(cursor)
-        cursor += lengths[k]
-        parent = parents[k]
-        depths.append(0 if parent < 0 else depths[parent] + 1)
-        offsets.append(0 if parent < 0 else offsets[parent] + lengths[parent])
-    total = cursor
-
+    layout = _NodeLayout.of(parents, [len(t) for t in tokens])
     long = dict(dtype=torch.long)
-    node_starts = torch.tensor(starts, **long)
-    node_lengths = torch.tensor(lengths, **long)
     node_parents = torch.tensor(parents, **long)
-    node_depths = torch.tensor(depths, **long)
-    node_offsets = torch.tensor(offsets, **long)
-    input_ids = torch.tensor([t for node in tokens for t in node], **long)
-    node_of_token = torch.repeat_interleave(torch.arange(num_nodes), node_lengths, output_size=total)
+    node_depths = torch.tensor(layout.depths, **long)
+    rows = [[new_of[node] for node in chain] for chain in chains]
+    return PackedTree(
+        # per packed token
+        **_token_tables(tokens, layout, node_parents),
+        # per node
+        node_starts=torch.tensor(layout.starts, **long), node_lengths=torch.tensor(layout.lengths, **long),
+        node_parents=node_parents, node_depths=node_depths, node_tree=torch.tensor(trees, **long),
+        node_ancestors=_ancestor_table(node_parents, node_depths),
+        # per row, per tree
+        **_row_tables(rows, trees, layout, prompt_lengths, response_lengths, width),
+        tree_token_spans=_tree_spans(parents, trees, layout, num_trees),
+    )
+
+
+def _depth_first_order(node_parent: list[int], children: list[list[int]]) -> list[int]:
+    """Node ids in depth-first order: parents before children, each parent's children in order, tree
+    after tree."""
+    order: list[int] = []
+    for root in [k for k in range(len(node_parent)) if node_parent[k] == -1]:
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            stack.extend(reversed(children[node]))
+    return order
+
+
+@dataclass(frozen=True)
+class _NodeLayout:
+    """Where each node (in packed order) sits: its first packed token, its length, its depth, and the
+    path position of its first token (its ancestors' tokens before it)."""
+
+    starts: list[int]
+    lengths: list[int]
+    depths: list[int]
+    offsets: list[int]
+
+    @property
+    def total(self) -> int:
+        return self.starts[-1] + self.lengths[-1] if self.starts else 0
+
+    @classmethod
+    def of(cls, parents: list[int], lengths: list[int]) -> _NodeLayout:
+        starts, depths, offsets = [], [], []
+        cursor = 0
+        for k, parent in enumerate(parents):
+            starts.append(cursor)
+            cursor += lengths[k]
+            depths.append(0 if parent < 0 else depths[parent] + 1)
+            offsets.append(0 if parent < 0 else offsets[parent] + lengths[parent])
+        return cls(starts, lengths, depths, offsets)
+
+
+def _token_tables(tokens: list[list[int]], layout: _NodeLayout, node_parents: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per packed token: its id, its position on its path, the packed index of the token before it on
+    its path (-1 for a root's first) and its node."""
+    long = dict(dtype=torch.long)
+    total = layout.total
+    node_starts = torch.tensor(layout.starts, **long)
+    node_lengths = torch.tensor(layout.lengths, **long)
+    node_of_token = torch.repeat_interleave(torch.arange(len(tokens)), node_lengths, output_size=total)
     within = torch.arange(total) - node_starts[node_of_token]
-    position_ids = node_offsets[node_of_token] + within
+    position_ids = torch.tensor(layout.offsets, **long)[node_of_token] + within
     # Previous token on the path: the one before in the same node, or the parent's last token.
     previous_position = torch.arange(total) - 1
     safe_parents = node_parents.clamp(min=0)
     parent_last = node_starts[safe_parents] + node_lengths[safe_parents] - 1
     previous_position[node_starts] = torch.where(node_parents >= 0, parent_last, torch.full_like(node_parents, -1))
+    return dict(input_ids=torch.tensor([t for node in tokens for t in node], **long), position_ids=position_ids,
+                previous_position=previous_position, node_of_token=node_of_token)
 
+
+def _ancestor_table(node_parents: torch.Tensor, node_depths: torch.Tensor) -> torch.Tensor:
+    """(nodes, max depth + 1): each node's ancestor at each depth, itself at its own, -1 below it."""
+    num_nodes = node_parents.numel()
     max_depth = int(node_depths.max()) if num_nodes else 0
-    ancestors = torch.full((num_nodes, max_depth + 1), -1, **long)
+    ancestors = torch.full((num_nodes, max_depth + 1), -1, dtype=torch.long)
     current = torch.arange(num_nodes)
     level = node_depths.clone()
     for _ in range(max_depth + 1):
@@ -251,42 +293,42 @@ def _assemble(
         ancestors[alive.nonzero().squeeze(1), level[alive]] = current[alive]
         current = torch.where(node_parents[current] >= 0, node_parents[current], current)
         level = level - 1
+    return ancestors
 
-    tree_spans = torch.zeros(num_trees, 2, **long)
-    for k in range(num_nodes):
-        if parents[k] < 0:
-            tree_spans[trees[k], 0] = starts[k]
-        tree_spans[trees[k], 1] = max(int(tree_spans[trees[k], 1]), starts[k] + lengths[k])
 
-    # Per-row gather tables.
+def _tree_spans(parents: list[int], trees: list[int], layout: _NodeLayout, num_trees: int) -> torch.Tensor:
+    """(trees, 2): each tree's first packed token and one past its last."""
+    spans = torch.zeros(num_trees, 2, dtype=torch.long)
+    for k, parent in enumerate(parents):
+        if parent < 0:
+            spans[trees[k], 0] = layout.starts[k]
+        spans[trees[k], 1] = max(int(spans[trees[k], 1]), layout.starts[k] + layout.lengths[k])
+    return spans
+
+
+def _row_tables(rows: list[list[int]], trees: list[int], layout: _NodeLayout, prompt_lengths: list[int],
+                response_lengths: list[int], width: int) -> dict[str, torch.Tensor]:
+    """Per row (its chain of packed nodes; empty for a row that owns no token): its tree, lengths and the
+    packed index of each of its tokens, and of each response token (-1 past its end)."""
+    long = dict(dtype=torch.long)
+    batch = len(rows)
     row_tree = torch.full((batch,), -1, **long)
     row_prompt_lengths = torch.zeros(batch, **long)
     row_response_lengths = torch.zeros(batch, **long)
-    row_width = max((prompt_lengths[b] + response_lengths[b] for b in range(batch) if chains[b]), default=0)
+    row_width = max((prompt_lengths[b] + response_lengths[b] for b in range(batch) if rows[b]), default=0)
     row_index = torch.full((batch, row_width), -1, **long)
     response_index = torch.full((batch, width), -1, **long)
-    for row in range(batch):
-        if not chains[row]:
+    for row, chain in enumerate(rows):
+        if not chain:
             continue
-        chain = [new_of[node] for node in chains[row]]
         row_tree[row] = trees[chain[0]]
         row_prompt_lengths[row] = prompt_lengths[row]
         row_response_lengths[row] = response_lengths[row]
-        flat = torch.cat([torch.arange(starts[k], starts[k] + lengths[k]) for k in chain])
+        flat = torch.cat([torch.arange(layout.starts[k], layout.starts[k] + layout.lengths[k]) for k in chain])
         if flat.numel() != prompt_lengths[row] + response_lengths[row]:
             raise AssertionError(f"row {row}: its nodes hold {flat.numel()} tokens, the row has "
                                  f"{prompt_lengths[row] + response_lengths[row]}")
         row_index[row, : flat.numel()] = flat
         response_index[row, : response_lengths[row]] = flat[prompt_lengths[row]:]
-
-    return PackedTree(
-        # per packed token
-        input_ids=input_ids, position_ids=position_ids, previous_position=previous_position,
-        node_of_token=node_of_token,
-        # per node
-        node_starts=node_starts, node_lengths=node_lengths, node_parents=node_parents, node_depths=node_depths,
-        node_tree=torch.tensor(trees, **long), node_ancestors=ancestors,
-        # per row, per tree
-        row_tree=row_tree, row_prompt_lengths=row_prompt_lengths, row_response_lengths=row_response_lengths,
-        row_index=row_index, response_index=response_index, tree_token_spans=tree_spans,
-    )
+    return dict(row_tree=row_tree, row_prompt_lengths=row_prompt_lengths, row_response_lengths=row_response_lengths,
+                row_index=row_index, response_index=response_index)

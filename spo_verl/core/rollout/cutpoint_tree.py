@@ -72,11 +72,7 @@ async def sample_cutpoint_tree(
     tree = CutpointTree(prompt_ids=list(prompt_ids), branching=(), nodes=[TreeNode(ROOT, -1, 0)], tree_id=request_id)
 
     def add_node(parent: int, token_ids: list[int], log_probs: list[float], server_fields: dict) -> int:
-        node = TreeNode(len(tree.nodes), parent, tree.nodes[parent].depth + 1, token_ids, log_probs,
-                        server_fields=server_fields)
-        tree.nodes.append(node)
-        tree.nodes[parent].children.append(node.node_id)
-        return node.node_id
+        return tree.add_child(parent, token_ids=token_ids, log_probs=log_probs, server_fields=server_fields).node_id
 
     async def grow(parent: int, prefix: list[int], round_: int) -> None:
         """Sample one path from ``prefix`` (the tokens of the nodes down to ``parent``) to the end,

@@ -31,12 +31,10 @@ class TreeNode:
     children: list[int] = field(default_factory=list)
     stopped: bool = False  # ended with EOS or at the response-length limit
     server_fields: dict = field(default_factory=dict)  # TokenOutput.extra_fields (weight versions)
-    # A tree over turns (spo_verl.core.episodes.turn_tree): which tokens are the model's (the environment's
-    # replies are 0; None: all of them), and on a leaf how its episode ended and its reward.
-    response_mask: list[int] | None = None
-    reward: float | None = None
-    ended_by: str | None = None
-    error: str | None = None
+
+    def token_mask(self) -> list[int]:
+        """Which of the node's tokens the model generated (1): all of them in a tree of segments."""
+        return [1] * len(self.token_ids)
 
 
 @dataclass
@@ -45,6 +43,14 @@ class SampledTree:
     branching: tuple[int, ...]
     nodes: list[TreeNode]
     tree_id: str = ""
+
+    def add_child(self, parent: int, node_type: type[TreeNode] = TreeNode, **fields: Any) -> TreeNode:
+        """A new node under ``parent``, numbered in the order nodes are added (the order verl's session
+        slots count a parent's children in); ``fields``: the node's own, beyond its place in the tree."""
+        node = node_type(len(self.nodes), parent, self.nodes[parent].depth + 1, **fields)
+        self.nodes.append(node)
+        self.nodes[parent].children.append(node.node_id)
+        return node
 
     def path(self, node_id: int) -> list[int]:
         """Node ids from the root's child down to ``node_id``."""
@@ -62,11 +68,7 @@ class SampledTree:
         return token_ids, log_probs
 
     def response_mask(self, node_id: int) -> list[int]:
-        mask = []
-        for step in self.path(node_id):
-            node = self.nodes[step]
-            mask += node.response_mask if node.response_mask is not None else [1] * len(node.token_ids)
-        return mask
+        return [m for step in self.path(node_id) for m in self.nodes[step].token_mask()]
 
     def server_fields(self, node_id: int) -> list[dict]:
         return [self.nodes[step].server_fields for step in self.path(node_id)]
@@ -164,12 +166,7 @@ async def sample_tree(
         is_last = depth == len(branching) - 1
         remaining = response_length - len(prefix)
         params = {**sampling_params, "max_tokens": remaining if is_last else min(budgets[depth], remaining)}
-        children = []
-        for _ in range(branching[depth]):
-            child = TreeNode(len(tree.nodes), parent, depth + 1)
-            tree.nodes.append(child)
-            tree.nodes[parent].children.append(child.node_id)
-            children.append(child)
+        children = [tree.add_child(parent) for _ in range(branching[depth])]
         await asyncio.gather(*(grow(child, prefix, params, is_last) for child in children))
 
     await expand(ROOT, [])

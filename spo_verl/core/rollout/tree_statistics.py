@@ -23,7 +23,7 @@ def tree_statistics(tree: SampledTree) -> TreeStatistics:
         nodes=len(segments),
         leaves=len(leaves),
         early_stops_per_depth=early_stops,
-        generated_tokens=sum(sum(node.response_mask) if node.response_mask is not None else len(node.token_ids)
+        generated_tokens=sum(sum(node.token_mask())
                              for node in segments),
         independent_sample_tokens=sum(sum(tree.response_mask(leaf)) for leaf in leaves),
     )
