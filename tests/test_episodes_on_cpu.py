@@ -164,7 +164,7 @@ def test_a_fork_that_raises_keeps_the_boundaries_before_it_and_fails_only_the_co
 def test_a_tree_child_whose_fork_raises_is_a_failed_leaf_and_its_siblings_play_on():
     """Branching 2 at the root over an environment whose second fork raises: the first child plays its
     episode (8, then 6: reward 1), the second's fork failed, so its one turn ends in the error."""
-    from spo_verl.core.episodes.turn_tree import sample_turn_tree
+    from spo_verl.core.rollout.turn_tree import sample_turn_tree
 
     env = ForksOnce()
     env.reset(ROW)
@@ -294,7 +294,7 @@ def test_a_tree_over_turns_branches_between_turns_and_values_each_leaf_by_its_ep
     of the environment. Leaves 6 (right), 7 under 8 and 7, 7 under 9: V = 1, 0, 0, 0; V(8) = 0.5,
     V(9) = 0, V(prompt) = 0.25; the replies are out of the mask."""
     from spo_verl.core.algorithms import tree_advantages, tree_values
-    from spo_verl.core.episodes.turn_tree import sample_turn_tree
+    from spo_verl.core.rollout.turn_tree import sample_turn_tree
 
     tree = asyncio.run(sample_turn_tree(ScriptedModel(), "t", PROMPT, {}, environment(), render, decode, RULES, [2, 2]))
     parents = [node.parent for node in tree.nodes]
@@ -316,7 +316,7 @@ def test_a_tree_over_turns_stops_where_the_episode_ends_and_refuses_more_depths_
     """Three depths over a two-turn dialogue: the episodes end after the second turn, so the second
     depth's nodes are leaves (the slots below them share them); a failing environment makes a leaf
     with reward 0 and the error; a tree deeper than max_turns is refused."""
-    from spo_verl.core.episodes.turn_tree import sample_turn_tree
+    from spo_verl.core.rollout.turn_tree import sample_turn_tree
 
     tree = asyncio.run(sample_turn_tree(ScriptedModel(), "t", PROMPT, {}, environment(), render, decode, RULES, [2, 2, 2]))
     assert [node.depth for node in tree.nodes] == [0, 1, 1, 2, 2, 2, 2] and tree.leaves() == [3, 4, 5, 6]

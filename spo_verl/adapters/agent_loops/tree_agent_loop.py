@@ -14,7 +14,7 @@ With ``algorithm.spo.tree.branch_at=cutpoint`` the tree forks at cutpoints
 produced return nothing (or a copy that trains nothing).
 
 With ``algorithm.spo.tree.branch_at=turn`` the tree forks a multi-turn episode between the model's turns
-(``spo_verl.core.episodes.turn_tree``): a leaf's response is its dialogue, the environment's replies out
+(``spo_verl.core.rollout.turn_tree``): a leaf's response is its dialogue, the environment's replies out
 of the mask, and its score is its episode's reward (handed to verl, which does not score it again).
 """
 
@@ -36,7 +36,7 @@ from spo_verl.adapters.tree_checks import check_cutpoint_tree_fits, check_tree_f
 from spo_verl.adapters.settings import spo_settings
 from spo_verl.core.rollout.tree_shape import tree_segment_budgets
 from spo_verl.core.episodes.episode import ENDED_BY_ENVIRONMENT
-from spo_verl.core.episodes.turn_tree import sample_turn_tree
+from spo_verl.core.rollout.turn_tree import sample_turn_tree
 from spo_verl.core.metadata import EpisodeStatistics, TreeLeafRow
 from spo_verl.core.rollout.cutpoint_tree import sample_cutpoint_tree
 from spo_verl.core.rollout.tree import SampledTree, sample_tree
