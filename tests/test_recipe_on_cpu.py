@@ -568,6 +568,42 @@ def test_a_run_whose_ray_timed_out_starting_is_started_once_more(capsys):
     assert len(calls) == 1
 
 
+def test_before_starting_ray_once_more_the_processes_of_the_timed_out_start_are_stopped(capsys):
+    """A timed-out ``ray.init`` leaves its GCS, raylet and helpers running until the driver exits; the
+    second start must not run beside them. Stand-ins, since Ray cannot be made to time out on demand:
+    children whose command line runs a program inside the ``ray`` package, as Ray's own processes do.
+    The one the failed start left is stopped; one that ran before the start and one that is not Ray's
+    are left alone."""
+    import os
+    import subprocess
+    import sys
+
+    import ray
+
+    from spo_verl.adapters.trainer.runners import RAY_STARTUP_TIMEOUT, run_with_one_restart
+
+    ray_program = os.path.join(os.path.dirname(os.path.abspath(ray.__file__)), "core", "src", "ray", "raylet", "raylet")
+    sleep = "import time; time.sleep(120)"
+    children = {"earlier ray": subprocess.Popen([sys.executable, "-c", sleep, ray_program]),
+                "not ray": subprocess.Popen([sys.executable, "-c", sleep, "not-ray"])}
+    seen_at_second_start = {}
+
+    def run(config, task_runner_class):
+        if "left by the start" not in children:
+            children["left by the start"] = subprocess.Popen([sys.executable, "-c", sleep, ray_program])
+            raise Exception(f"The current node {RAY_STARTUP_TIMEOUT}. This could happen because ...")
+        seen_at_second_start.update({name: child.poll() is None for name, child in children.items()})
+
+    try:
+        run_with_one_restart(run, "config", "runner")
+        assert seen_at_second_start == {"earlier ray": True, "not ray": True, "left by the start": False}
+        assert "stopped the 1 process(es) it had started" in capsys.readouterr().out
+    finally:
+        for child in children.values():
+            child.kill()
+            child.wait()
+
+
 def test_the_gsm8k_grpo_and_the_4k_stage_scripts_compose_their_setups(tmp_path):
     # A GPU node: nvidia-smi lists a GPU, so the script's own cluster setting is taken.
     (tmp_path / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3'\n")

@@ -10,6 +10,8 @@ datasets, sampler) and builds ``SPORayPPOTrainer`` instead, and with packed trai
 
 from __future__ import annotations
 
+import os
+
 import ray
 from omegaconf import OmegaConf
 from verl.trainer import main_ppo_v0
@@ -86,11 +88,51 @@ RAY_STARTUP_TIMEOUT = "timed out during startup"
 
 def run_with_one_restart(run, config, task_runner_class) -> None:
     """``run(config, task_runner_class=...)`` (verl's ``run_ppo``), started once more if Ray itself timed
-    out during its start-up: nothing of the run had started, so a second start is safe."""
+    out during its start-up: nothing of the run had started, so a second start is safe once the first
+    start's processes are stopped."""
+    already_running = {process.pid for process in _ray_processes()}
     try:
         run(config, task_runner_class=task_runner_class)
     except Exception as error:
         if RAY_STARTUP_TIMEOUT not in str(error) or ray.is_initialized():
             raise
-        print(f"spo: Ray did not start in time ({error}); starting it once more", flush=True)
+        stopped = _stop([process for process in _ray_processes() if process.pid not in already_running])
+        print(f"spo: Ray did not start in time ({error}); stopped the {stopped} process(es) it had started; "
+              f"starting it once more", flush=True)
         run(config, task_runner_class=task_runner_class)
+
+
+def _ray_processes() -> list:
+    """The processes below this one that run Ray's own programs (its GCS, raylet, reaper and monitors),
+    found by a path inside the ``ray`` package on their command line. A ``ray.init`` that timed out
+    leaves them running until this process exits, and a second start beside them would compete with
+    them for the same busy cores."""
+    import psutil
+
+    ray_dir = os.path.dirname(os.path.abspath(ray.__file__)) + os.sep
+    found = []
+    for process in psutil.Process().children(recursive=True):
+        try:
+            if any(ray_dir in argument for argument in process.cmdline()):
+                found.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def _stop(processes: list, grace_s: float = 10.0) -> int:
+    """Terminate ``processes``, kill those still alive after ``grace_s``; returns how many."""
+    import psutil
+
+    for process in processes:
+        try:
+            process.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(processes, timeout=grace_s)
+    for process in alive:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    return len(processes)
