@@ -336,21 +336,21 @@ def test_the_replay_buffer_looks_for_finished_rollouts_often():
 
 
 def test_the_sample_log_and_the_credit_metrics_fetch_each_row_once(transfer_queue, tmp_path, monkeypatch):
-    from spo_verl.adapters.trainer import v1
+    from spo_verl.adapters.trainer import transfer_queue_batch
     from spo_verl.adapters.trainer.sample_log import SAMPLES_FILE, read_records
 
     outputs = [leaf([1], [5], r) for r in (1.0, 0.0, 1.0, 0.0)]
     batch = store(outputs, lambda s: "grpo6")
     put_old_log_probs(batch, [[0.5] * 5] * 4)
     fetched_rows = []
-    original = v1.tq.kv_batch_get
+    original = transfer_queue_batch.tq.kv_batch_get
 
     def counting_get(keys, partition_id, select_fields=None, **kwargs):
         if select_fields and "responses" in select_fields:
             fetched_rows.extend(batch.keys.index(key) for key in keys)
         return original(keys=keys, partition_id=partition_id, select_fields=select_fields, **kwargs)
 
-    monkeypatch.setattr(v1.tq, "kv_batch_get", counting_get)
+    monkeypatch.setattr(transfer_queue_batch.tq, "kv_batch_get", counting_get)
     instance = trainer("grpo", sample_log={"dir": str(tmp_path), "responses_per_step": 2}, credit_metrics=True)
     instance.tokenizer, instance.global_steps = CharTokenizer(), 3
     metrics = {}

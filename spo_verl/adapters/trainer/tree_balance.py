@@ -18,6 +18,8 @@ import transfer_queue as tq
 from verl.trainer.ppo.padding_utils import upsample_batch_to_divisible_size
 from verl.utils.seqlen_balancing import log_seqlen_unbalance
 
+from spo_verl.adapters.trainer.transfer_queue_batch import stored_uids
+
 __all__ = ["balance_keeping_trees", "tree_order"]
 
 
@@ -38,9 +40,7 @@ def balance_keeping_trees(trainer: Any, batch, metrics: dict, logging_prefix: st
     batch = upsample_batch_to_divisible_size(batch, trainer._get_required_batch_multiple(dp_size),
                                              trainer.tokenizer.eos_token_id)
     stored = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["uid"])
-    uids = stored["uid"]
-    uids = [str(uid) for uid in (uids.tolist() if hasattr(uids, "tolist") else uids)]
-    order = tree_order(uids)
+    order = tree_order(stored_uids(stored))
     batch.reorder(order)
     share = len(order) // dp_size
     seqlens = [int(tag["seq_len"]) for tag in batch.tags]
