@@ -22,8 +22,8 @@ def test_defaults_are_the_papers():
     assert settings.tree.branching == (6, 6, 6) and tree_segment_budgets(settings.tree) == (600, 600)
     assert settings.tree.std_normalize is False and settings.tree.drop_zero_advantage is True
     assert settings.tree.max_trained_segments_per_prompt is None
-    assert settings.packed_training is False and settings.packed_chunk_tokens == 4096
-    assert settings.packed_max_token_ratio == 0.9 and settings.packed_training_check is False
+    assert settings.packing.enable is False and settings.packing.chunk_tokens == 4096
+    assert settings.packing.max_token_ratio == 0.9 and settings.packing.check is False
 
 
 @pytest.mark.parametrize(
@@ -39,7 +39,7 @@ def test_defaults_are_the_papers():
         ({"tree": {"max_trained_segments_per_prompt": 0}}, r"max_trained_segments_per_prompt must be a positive integer, got 0"),
         ({"tree": {"branch": [2]}}, r"unknown setting\(s\) \['algorithm\.spo\.tree\.branch'\]; algorithm\.spo\.tree accepts"),
         ({"chian": {}}, r"unknown setting\(s\) \['algorithm\.spo\.chian'\]"),
-        ({"packed_max_token_ratio": 1.5}, r"packed_max_token_ratio must be a number in \(0, 1\], got 1\.5"),
+        ({"packing": {"max_token_ratio": 1.5}}, r"packing\.max_token_ratio must be a number in \(0, 1\], got 1\.5"),
     ],
 )
 def test_invalid_values_name_the_key_and_allowed_values(raw, message):

@@ -116,7 +116,7 @@ def test_what_may_change_between_the_parts_of_one_run_resumes(tmp_path, prepared
     record_configuration(prepared())
     checkpointed(tmp_path / "run")
     same = prepared("trainer.total_training_steps=9", "trainer.save_freq=3", "trainer.test_freq=-1",
-                    "algorithm.spo.generated_token_budget=5000",
+                    "algorithm.spo.budget.generated_tokens=5000",
                     "actor_rollout_ref.rollout.val_kwargs.n=4", "trainer.val_only=true",
                     "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH=/elsewhere.jsonl")
     assert resume_problem(same) == (None, f"resuming {tmp_path / 'run' / 'global_step_2'}, written under this same "

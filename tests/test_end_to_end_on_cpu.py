@@ -55,10 +55,10 @@ VALIDATION_KEY = "val-core/openai/gsm8k/acc/mean@1"
 
 # A first run allowed 6 steps stops after step 2 because its generated-token budget (1 token) is
 # reached after step 1: the equal-cost stop.
-BUDGET_STOP = ("trainer.total_training_steps=6", "algorithm.spo.generated_token_budget=1")
+BUDGET_STOP = ("trainer.total_training_steps=6", "algorithm.spo.budget.generated_tokens=1")
 # The CPU settings pack every micro-batch (each unique token once) and, on the v1 trainer, take vLLM's
 # log-probs as the old log-probs (verl's bypass mode); CHECK adds the per-row check of the first update.
-CHECK = ("algorithm.spo.packed_training_check=true",)
+CHECK = ("algorithm.spo.packing.check=true",)
 LEGACY = ("trainer.use_v1=false",)
 # verl's default FSDP mixed precision (bfloat16 forward and backward, float32 reduction), the GPU's
 # precision path; old log-probs recomputed, since the rollout's (float32) no longer equal the actor's.
@@ -242,7 +242,7 @@ def _run_case(case: TrainerCase, cache: Path, work: Path) -> Case:
     if case.dialogues:
         data = cache / "data"
         overrides += [*DIALOGUES, f"data.train_files={data / 'dialogue_train.parquet'}",
-                      f"data.val_files={data / 'dialogue_val.parquet'}", f"algorithm.spo.sample_log.dir={work / 'samples'}",
+                      f"data.val_files={data / 'dialogue_val.parquet'}", f"algorithm.spo.diagnostics.sample_log.dir={work / 'samples'}",
                       f"trainer.validation_data_dir={work / 'validation'}"]
     with contextlib.ExitStack() as stack:
         actors = None
@@ -520,7 +520,7 @@ def _assert_trained(steps: dict[int, dict], expect: Expect, processes: list[dict
     assert all(data["spo/generated_tokens"] > 0 for data in steps.values())
     last = steps[max(steps)]
     algorithm = expect.algorithm
-    # The CPU settings log where each step's advantages put the blame (algorithm.spo.credit_metrics):
+    # The CPU settings log where each step's advantages put the blame (algorithm.spo.diagnostics.credit_metrics):
     # every response counted once, the shares where defined, and the tiny model's answers go wrong at
     # steps the checker places.
     for data in steps.values():

@@ -198,8 +198,8 @@ def test_packed_engine_matches_per_row_engine(results, case):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_packed_training_check_reports_the_per_row_differences(results, case):
-    """``algorithm.spo.packed_training_check``: the packed engine also runs each micro-batch per row
+def test_the_packing_check_reports_the_per_row_differences(results, case):
+    """``algorithm.spo.packing.check``: the packed engine also runs each micro-batch per row
     and reports the largest differences, within the same float32 tolerances."""
     result = results["cases"][case]
     assert result["per_row_check"] == {}
@@ -252,7 +252,7 @@ def test_packed_engine_counts_its_tokens(results):
 
 
 def test_micro_batches_that_share_too_little_run_verls_per_row_forward(results):
-    """``packed_max_token_ratio``: above it a micro-batch runs verl's own forward, so its results are
+    """``packing.max_token_ratio``: above it a micro-batch runs verl's own forward, so its results are
     the per-row ones (to float32 rounding: the micro-batches keep each uid together, so their padded
     shapes differ from verl's), it is counted, and the per-row check has nothing to compare."""
     fallback = results["fallback"]

@@ -1,4 +1,4 @@
-"""The sample log (algorithm.spo.sample_log): exact tree values and advantages, segment bounds, and
+"""The sample log (algorithm.spo.diagnostics.sample_log): exact tree values and advantages, segment bounds, and
 probability-mask flags of the responses it writes, for spo_tree, spo_chain and the plain baselines."""
 
 import json
@@ -60,12 +60,12 @@ def sampled(b, row, length, advantages, trained, score, log_probs=None, response
 
 
 def test_sample_log_settings_defaults_and_validation():
-    settings = parse_spo_settings(None).sample_log
+    settings = parse_spo_settings(None).diagnostics.sample_log
     assert settings.dir is None and settings.responses_per_step == 4
-    with pytest.raises(SPOConfigError, match=r"algorithm\.spo\.sample_log\.responses_per_step must be a positive integer"):
-        parse_spo_settings({"sample_log": {"responses_per_step": 0}})
-    with pytest.raises(SPOConfigError, match=r"algorithm\.spo\.sample_log\.dir must be a non-empty string or null"):
-        parse_spo_settings({"sample_log": {"dir": ""}})
+    with pytest.raises(SPOConfigError, match=r"algorithm\.spo\.diagnostics\.sample_log\.responses_per_step must be a positive integer"):
+        parse_spo_settings({"diagnostics": {"sample_log": {"responses_per_step": 0}}})
+    with pytest.raises(SPOConfigError, match=r"algorithm\.spo\.diagnostics\.sample_log\.dir must be a non-empty string or null"):
+        parse_spo_settings({"diagnostics": {"sample_log": {"dir": ""}}})
 
 
 def test_tree_record_has_the_estimators_values_and_advantages():
@@ -176,11 +176,11 @@ def test_an_unwritable_folder_does_not_stop_training(tmp_path, caplog):
 
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
-    config = OmegaConf.create({"algorithm": {"adv_estimator": "grpo", "spo": {"sample_log": {"dir": str(blocker / "x")}}}})
+    config = OmegaConf.create({"algorithm": {"adv_estimator": "grpo", "spo": {"diagnostics": {"sample_log": {"dir": str(blocker / "x")}}}}})
     fetch = lambda chosen: [sampled(i, None, 2, torch.zeros(2), torch.ones(2, dtype=torch.bool), 0.0) for i in chosen]  # noqa: E731
     assert log_step(1, config, CharTokenizer(), ["u"], [2], fetch, spo_settings(config.algorithm)) is None
     assert "sample log: could not write step 1" in caplog.text
-    config.algorithm.spo.sample_log.dir = None
+    config.algorithm.spo.diagnostics.sample_log.dir = None
     assert log_step(1, config, CharTokenizer(), ["u"], [2], lambda chosen: pytest.fail("fetched while off"),
                     spo_settings(config.algorithm)) is None
 

@@ -76,7 +76,7 @@ def test_a_run_resumed_after_it_chose_its_last_step_is_held_to_it(tmp_path, monk
     config = study.Study(**{**study.QUICK, "token_budget": 1_000, "max_steps": 10, "output_dir": tmp_path})
     assert study._train(config, folder, "grpo", 0)
     assert commands[0][-1] == "trainer.total_training_steps=3"
-    assert "algorithm.spo.generated_token_budget=200" in commands[0]
+    assert "algorithm.spo.budget.generated_tokens=200" in commands[0]
     # The new attempt trained step 3 (its last) and was stopped before it could exit: resumed from
     # step 3, nothing is launched and the run counts as trained.
     write_metrics(folder.path / folder.attempts[-1]["metrics"], [(3, {study.GENERATED: 400.0})])

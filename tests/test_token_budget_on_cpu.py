@@ -1,4 +1,4 @@
-"""Generated-token counting and the equal-cost stop (``algorithm.spo.generated_token_budget``)."""
+"""Generated-token counting and the equal-cost stop (``algorithm.spo.budget.generated_tokens``)."""
 
 from types import SimpleNamespace
 
@@ -60,10 +60,10 @@ def test_a_budget_never_extends_training():
 
 @pytest.mark.parametrize("value", [0, -5, 1.5, "many", True])
 def test_a_bad_budget_is_refused_naming_the_setting(value):
-    with pytest.raises(SPOConfigError, match="algorithm.spo.generated_token_budget must be a positive integer"):
-        parse_spo_settings({"generated_token_budget": value})
+    with pytest.raises(SPOConfigError, match="algorithm.spo.budget.generated_tokens must be a positive integer"):
+        parse_spo_settings({"budget": {"generated_tokens": value}})
 
 
 def test_the_budget_defaults_to_none():
-    assert parse_spo_settings({}).generated_token_budget is None
-    assert parse_spo_settings({"generated_token_budget": 5000}).generated_token_budget == 5000
+    assert parse_spo_settings({}).budget.generated_tokens is None
+    assert parse_spo_settings({"budget": {"generated_tokens": 5000}}).budget.generated_tokens == 5000

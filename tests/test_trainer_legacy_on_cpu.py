@@ -198,7 +198,7 @@ def logging_trainer(directory, estimator, loss_mode="spo_prob_mask"):
     trainer = object.__new__(SPORayPPOTrainer)  # no workers: fit's advantage call only
     trainer.config = OmegaConf.create({
         "algorithm": {"adv_estimator": estimator, "gamma": 1.0, "lam": 1.0, "norm_adv_by_std_in_grpo": True,
-                      "spo": {"sample_log": {"dir": str(directory), "responses_per_step": 2}}},
+                      "spo": {"diagnostics": {"sample_log": {"dir": str(directory), "responses_per_step": 2}}}},
         "actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": loss_mode}}},
     })
     trainer.tokenizer, trainer.global_steps = CharTokenizer(), 3
@@ -256,7 +256,7 @@ def test_packed_training_keeps_each_uid_on_one_rank(packed):
     """verl's legacy balancing spreads rows over data-parallel ranks by length; with packed training
     each uid's rows (a prompt's responses) stay together on one rank, so they pack."""
     trainer = object.__new__(SPORayPPOTrainer)
-    trainer.config = OmegaConf.create({"algorithm": {"spo": {"packed_training": packed}},
+    trainer.config = OmegaConf.create({"algorithm": {"spo": {"packing": {"enable": packed}}},
                                        "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 2}}})
     trainer.init_spo_state(trainer.config)
     trainer.actor_rollout_wg = None
@@ -303,7 +303,7 @@ class TextTokenizer:
 
 
 def test_credit_metrics_read_the_legacy_batch_after_its_advantage_step():
-    """algorithm.spo.credit_metrics on the legacy trainer: the problem read from the prompt (its last
+    """algorithm.spo.diagnostics.credit_metrics on the legacy trainer: the problem read from the prompt (its last
     question), the first wrong step placed in the answer, GRPO's advantages measured exactly."""
 
     prompt = "What is 1 + 1? 1 + 1 = 2. #### 2\nWhat is 3 + 4 + 2?"
@@ -317,9 +317,9 @@ def test_credit_metrics_read_the_legacy_batch_after_its_advantage_step():
     data.batch["token_level_scores"] = data.batch["token_level_rewards"].clone()
     data.batch["old_log_probs"] = torch.full((2, width), float(np.log(0.5)))  # every token in the mask
     trainer = object.__new__(SPORayPPOTrainer)
-    trainer.config = OmegaConf.create({"algorithm": {"adv_estimator": "grpo", "spo": {"credit_metrics": True}}})
+    trainer.config = OmegaConf.create({"algorithm": {"adv_estimator": "grpo", "spo": {"diagnostics": {"credit_metrics": True}}}})
     trainer.tokenizer, trainer.global_steps = TextTokenizer(), 1
-    grpo = algorithm("grpo", credit_metrics=True)
+    grpo = algorithm("grpo", diagnostics={"credit_metrics": True})
     compute_advantage(data, adv_estimator="grpo", num_repeat=2, norm_adv_by_std_in_grpo=True, config=grpo)
     metrics = run_spo_step(data, grpo, 2, trainer)
     error = wrong.index("8")  # the wrong result of step 1
@@ -369,9 +369,9 @@ def test_credit_metrics_of_dialogues_place_the_first_wrong_turn_and_leave_out_th
 
     data = dialogue_batch(estimator)
     trainer = object.__new__(SPORayPPOTrainer)
-    trainer.config = OmegaConf.create({"algorithm": {"adv_estimator": estimator, "spo": {"credit_metrics": True}}})
+    trainer.config = OmegaConf.create({"algorithm": {"adv_estimator": estimator, "spo": {"diagnostics": {"credit_metrics": True}}}})
     trainer.tokenizer, trainer.global_steps = TextTokenizer(), 1
-    config = algorithm(estimator, credit_metrics=True)
+    config = algorithm(estimator, diagnostics={"credit_metrics": True})
     if estimator == "grpo":
         compute_advantage(data, adv_estimator="grpo", num_repeat=2, norm_adv_by_std_in_grpo=True, config=config)
     metrics = run_spo_step(data, config, 2, trainer)
@@ -428,7 +428,7 @@ def test_the_turns_credit_tool_reads_the_dialogues_back_from_the_sample_log(esti
     data = dialogue_batch(estimator)
     trainer = object.__new__(SPORayPPOTrainer)
     trainer.config = OmegaConf.create({"algorithm": {"adv_estimator": estimator, "spo": {
-        "sample_log": {"dir": str(tmp_path), "responses_per_step": 2}}}})
+        "diagnostics": {"sample_log": {"dir": str(tmp_path), "responses_per_step": 2}}}}})
     trainer.tokenizer, trainer.global_steps = TextTokenizer(), 1
     config = algorithm(estimator)
     if estimator == "grpo":

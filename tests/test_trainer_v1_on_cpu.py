@@ -260,7 +260,7 @@ class CharTokenizer:
 
 
 def logging_trainer(directory, adv_estimator="spo_tree", step=5):
-    instance = trainer(adv_estimator, sample_log={"dir": str(directory), "responses_per_step": 2})
+    instance = trainer(adv_estimator, diagnostics={"sample_log": {"dir": str(directory), "responses_per_step": 2}})
     instance.tokenizer, instance.global_steps = CharTokenizer(), step
     return instance
 
@@ -351,7 +351,7 @@ def test_the_sample_log_and_the_credit_metrics_fetch_each_row_once(transfer_queu
         return original(keys=keys, partition_id=partition_id, select_fields=select_fields, **kwargs)
 
     monkeypatch.setattr(transfer_queue_batch.tq, "kv_batch_get", counting_get)
-    instance = trainer("grpo", sample_log={"dir": str(tmp_path), "responses_per_step": 2}, credit_metrics=True)
+    instance = trainer("grpo", diagnostics={"sample_log": {"dir": str(tmp_path), "responses_per_step": 2}, "credit_metrics": True})
     instance.tokenizer, instance.global_steps = CharTokenizer(), 3
     metrics = {}
     instance._compute_advantage(batch, metrics)

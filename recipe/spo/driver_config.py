@@ -34,7 +34,7 @@ FORWARDED_VARIABLES = (
 PATH_KEYS = (
     "data.train_files", "data.val_files",
     "trainer.default_local_dir", "trainer.validation_data_dir", "trainer.rollout_data_dir",
-    "trainer.resume_from_path", "algorithm.spo.sample_log.dir",
+    "trainer.resume_from_path", "algorithm.spo.diagnostics.sample_log.dir",
     "custom_reward_function.path",
 )
 # Model folders: a relative path that exists here is made absolute; anything else is a model hub id.

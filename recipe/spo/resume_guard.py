@@ -27,7 +27,7 @@ MAY_CHANGE = (
     "trainer.project_name", "trainer.experiment_name",
     "actor_rollout_ref.rollout.val_kwargs", "data.val_files", "data.val_max_samples", "data.val_batch_size",
     *(f"{spo}.{key}" for spo in ("algorithm.spo", "actor_rollout_ref.actor.policy_loss.spo")  # the loss's copy
-      for key in ("generated_token_budget", "sample_log", "credit_metrics")),
+      for key in ("budget", "diagnostics")),
     "ray_kwargs", "spo_launch",
 )
 SHOWN_DIFFERENCES = 8

@@ -228,29 +228,59 @@ class SampleLogSettings:
 
 
 @dataclass(frozen=True)
+class DiagnosticsSettings:
+    """What a run records for people to look at, besides verl's own metrics; none of it changes training.
+
+    ``sample_log``: :class:`SampleLogSettings`.
+    ``credit_metrics``: each step, where each wrong answer's negative advantage falls relative to its
+    first wrong step (``spo/credit/*``), for tasks whose answers work a generated sum one equation a
+    step (``spo_verl.core.credit.answer_errors``; answers it cannot place are counted, not measured).
+    """
+
+    sample_log: SampleLogSettings = field(default_factory=SampleLogSettings)
+    credit_metrics: bool = setting(False, _boolean)
+
+
+@dataclass(frozen=True)
+class BudgetSettings:
+    """``generated_tokens``: stop training once the rollout has generated this many tokens (each tree node
+    once, chains with their Monte Carlo continuations; ``spo/generated_tokens``), so that algorithms are
+    compared at equal sampling cost: the step that is expected to reach it (from the previous step's
+    count) is the last, with verl's final validation and checkpoint. null: verl's
+    ``trainer.total_training_steps``/``total_epochs`` alone decide.
+    """
+
+    generated_tokens: int | None = setting(None, _optional_positive_int)
+
+
+@dataclass(frozen=True)
+class PackingSettings:
+    """``enable``: the actor and reference forwards run each micro-batch as one packed sequence in which
+    every prefix its rows share (a prompt and its ``rollout.n`` responses, an SPO tree's segments, a
+    preamble common to all prompts) is computed once (``spo_verl.core.packing``), for every algorithm;
+    the results equal the per-row forwards. ``chunk_tokens``: hidden states projected to the vocabulary
+    at a time. ``max_token_ratio``: a micro-batch whose packed tokens exceed this share of its row tokens
+    runs verl's per-row forward instead (packing it would cost more than it saves). ``check``: in the
+    first actor update, also run each packed micro-batch per row (no gradient) and log how far the packed
+    log-probs and loss are from it (``spo/packing/check/*``).
+    """
+
+    enable: bool = setting(False, _boolean)
+    chunk_tokens: int = setting(4096, check_positive_int)
+    max_token_ratio: float = setting(0.9, check_probability)
+    check: bool = setting(False, _boolean)
+
+
+@dataclass(frozen=True)
 class SPOSettings:
-    """``truncated_response_score``: what a response cut by the length limit (no EOS at the end of its
+    """The SPO maths (``prob_mask``, ``chain``, ``tree``, ``turns``, ``truncated_response_score``), then how a
+    run is executed and observed (``packing``, ``budget``, ``diagnostics``).
+
+    ``truncated_response_score``: what a response cut by the length limit (no EOS at the end of its
     token budget) scores, for the trajectory reward R of SPO-chain and SPO-tree rows and for the Monte
     Carlo continuations that estimate SPO-chain's boundary values V, so V and R stay on one scale.
     ``zero``: 0, as the SPO reference scores an unfinished response. ``reward_function``: what the
     row's reward function gives the truncated text (verl's behaviour).
-    ``generated_token_budget``: stop training once the rollout has generated this many tokens (each
-    tree node once, chains with their Monte Carlo continuations; ``spo/generated_tokens``), so that
-    algorithms are compared at equal sampling cost: the step that is expected to reach it (from the
-    previous step's count) is the last, with verl's final validation and checkpoint. null: verl's
-    ``trainer.total_training_steps``/``total_epochs`` alone decide.
-    ``packed_training``: the actor and reference forwards run each micro-batch as one packed sequence
-    in which every prefix its rows share (a prompt and its ``rollout.n`` responses, an SPO tree's
-    segments, a preamble common to all prompts) is computed once (``spo_verl.core.packing``), for every
-    algorithm; the results equal the per-row forwards. ``packed_chunk_tokens``: hidden states
-    projected to the vocabulary at a time. ``packed_max_token_ratio``: a micro-batch whose packed
-    tokens exceed this share of its row tokens runs verl's per-row forward instead (packing it would
-    cost more than it saves). ``packed_training_check``: in the first actor update, also run each
-    packed micro-batch per row (no gradient) and log how far the packed log-probs and loss are from it
-    (``spo/packing/check/*``).
-    ``credit_metrics``: each step, where each wrong answer's negative advantage falls relative to its
-    first wrong step (``spo/credit/*``), for tasks whose answers work a generated sum one equation a
-    step (``spo_verl.core.credit.answer_errors``; answers it cannot place are counted, not measured).
     """
 
     prob_mask: ProbMaskSettings = field(default_factory=ProbMaskSettings)
@@ -258,13 +288,9 @@ class SPOSettings:
     tree: TreeSettings = field(default_factory=TreeSettings)
     turns: TurnSettings = field(default_factory=TurnSettings)
     truncated_response_score: str = setting("zero", _choice(TRUNCATED_RESPONSE_SCORES))
-    sample_log: SampleLogSettings = field(default_factory=SampleLogSettings)
-    generated_token_budget: int | None = setting(None, _optional_positive_int)
-    packed_training: bool = setting(False, _boolean)
-    packed_chunk_tokens: int = setting(4096, check_positive_int)
-    packed_max_token_ratio: float = setting(0.9, check_probability)
-    packed_training_check: bool = setting(False, _boolean)
-    credit_metrics: bool = setting(False, _boolean)
+    packing: PackingSettings = field(default_factory=PackingSettings)
+    budget: BudgetSettings = field(default_factory=BudgetSettings)
+    diagnostics: DiagnosticsSettings = field(default_factory=DiagnosticsSettings)
 
 
 def _plain(value: Any) -> Any:

@@ -1,4 +1,4 @@
-"""verl's FSDP language-model engine with shared prefixes packed (``algorithm.spo.packed_training``).
+"""verl's FSDP language-model engine with shared prefixes packed (``algorithm.spo.packing.enable``).
 
 :func:`enable_packed_training` turns an engine built by verl (``FSDPEngineWithLMHead``, in the actor
 or reference worker) into one whose ``forward_step`` runs each micro-batch as one packed sequence:
@@ -66,15 +66,15 @@ class PackedTrainingSettings:
     of its row tokens; otherwise it runs verl's per-row forward (``spo/packing/per_row_micro_batches``).
     ``prob_mask_threshold``: the probability mask's threshold, for the old-log-prob probe (below)."""
 
-    chunk_tokens: int = _SPO_DEFAULTS.packed_chunk_tokens
+    chunk_tokens: int = _SPO_DEFAULTS.packing.chunk_tokens
     check_updates: int = 0
-    max_token_ratio: float = _SPO_DEFAULTS.packed_max_token_ratio
+    max_token_ratio: float = _SPO_DEFAULTS.packing.max_token_ratio
     prob_mask_threshold: float | None = _SPO_DEFAULTS.prob_mask.threshold
 
     @classmethod
     def from_spo(cls, settings: SPOSettings) -> PackedTrainingSettings:
-        return cls(chunk_tokens=settings.packed_chunk_tokens, check_updates=int(settings.packed_training_check),
-                   max_token_ratio=settings.packed_max_token_ratio, prob_mask_threshold=settings.prob_mask.threshold)
+        return cls(chunk_tokens=settings.packing.chunk_tokens, check_updates=int(settings.packing.check),
+                   max_token_ratio=settings.packing.max_token_ratio, prob_mask_threshold=settings.prob_mask.threshold)
 
 
 @dataclass(frozen=True)
@@ -118,9 +118,9 @@ def _causal_lm(module: torch.nn.Module) -> torch.nn.Module:
     if isinstance(module, FullyShardedDataParallel):
         module = module.module
     if type(module).__name__.startswith("Peft"):
-        raise ValueError("algorithm.spo.packed_training does not support LoRA (PEFT) models yet")
+        raise ValueError("algorithm.spo.packing.enable does not support LoRA (PEFT) models yet")
     if module.get_output_embeddings() is None:
-        raise ValueError("algorithm.spo.packed_training needs a causal LM with an output embedding (lm_head)")
+        raise ValueError("algorithm.spo.packing.enable needs a causal LM with an output embedding (lm_head)")
     return module
 
 
@@ -270,7 +270,7 @@ class PackedEngineMixin:
 
         pad_mode = tu.get_non_tensor_data(data=micro_batch, key="pad_mode", default=DatasetPadMode.NO_PADDING)
         if pad_mode != DatasetPadMode.NO_PADDING:
-            raise ValueError(f"algorithm.spo.packed_training needs verl's no-padding layout, got pad_mode={pad_mode}")
+            raise ValueError(f"algorithm.spo.packing.enable needs verl's no-padding layout, got pad_mode={pad_mode}")
         packed = micro_batch_forest(micro_batch)
         causal_lm = _causal_lm(self.module)
         if packed.num_packed_tokens > self.spo_packing.max_token_ratio * packed.num_row_tokens:
@@ -325,10 +325,10 @@ def enable_packed_training(engine: Any, settings: PackedTrainingSettings) -> Non
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
 
     if not isinstance(engine, FSDPEngineWithLMHead) or isinstance(engine, FSDPEngineWithValueHead):
-        raise ValueError(f"algorithm.spo.packed_training needs verl's FSDP language-model engine, got "
+        raise ValueError(f"algorithm.spo.packing.enable needs verl's FSDP language-model engine, got "
                          f"{type(engine).__name__}")
     if getattr(engine, "ulysses_sequence_parallel_size", 1) > 1:
-        raise ValueError("algorithm.spo.packed_training does not support ulysses_sequence_parallel_size > 1")
+        raise ValueError("algorithm.spo.packing.enable does not support ulysses_sequence_parallel_size > 1")
     register_cascade_attention()
     causal_lm = _causal_lm(engine.module)
     install_packed_forward(causal_lm)

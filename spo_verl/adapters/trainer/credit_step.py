@@ -1,4 +1,4 @@
-"""``algorithm.spo.credit_metrics``: each step's batch read as the credit measures read a rollout
+"""``algorithm.spo.diagnostics.credit_metrics``: each step's batch read as the credit measures read a rollout
 (``spo_workbench.credit``), logged as ``spo/credit/*``. The problem comes from the prompt (its last
 "What is ...?"; earlier ones are worked examples), the first wrong step from the answer's tokens (in a
 multi-turn arithmetic dialogue, the first token of its first wrong turn), the

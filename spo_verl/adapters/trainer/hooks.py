@@ -23,10 +23,10 @@ class SPOTrainerHooks:
     def init_spo_state(self, config: Any) -> None:
         """The run's settings from the trainer's ``config`` and the generated-token count."""
         self.spo_settings = spo_settings(config.algorithm)
-        self._token_budget = GeneratedTokenBudget(self.spo_settings.generated_token_budget)
+        self._token_budget = GeneratedTokenBudget(self.spo_settings.budget.generated_tokens)
 
     def install_spo_on_workers(self) -> None:
-        """SPO's actor loss, and with ``algorithm.spo.packed_training`` packed forwards, on the built workers."""
+        """SPO's actor loss, and with ``algorithm.spo.packing.enable`` packed forwards, on the built workers."""
         install_spo_actor_loss(self.actor_rollout_wg, self.config)
         enable_packed_training_on([self.actor_rollout_wg, getattr(self, "ref_policy_wg", None)], self.spo_settings)
 

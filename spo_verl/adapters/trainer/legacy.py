@@ -67,10 +67,10 @@ class SPORayPPOTrainer(SPOTrainerHooks, RayPPOTrainer):
     def _balance_batch(self, batch, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
         """Packed training: verl's uid-group balancing, which it applies for ``use_prefix_grouper`` (set for
         the call only; nothing else reads it here), on rows ordered uid by uid as that expects."""
-        if self.spo_settings.packed_training:
+        if self.spo_settings.packing.enable:
             batch.reorder(torch.tensor(tree_order([str(uid) for uid in batch.non_tensor_batch["uid"]])))
         grouping = getattr(self, "use_prefix_grouper", False)
-        self.use_prefix_grouper = grouping or self.spo_settings.packed_training
+        self.use_prefix_grouper = grouping or self.spo_settings.packing.enable
         try:
             return super()._balance_batch(batch, metrics, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch)
         finally:

@@ -1,4 +1,4 @@
-"""``algorithm.spo.packed_training`` in verl's trainers: verl's actor/rollout/reference worker
+"""``algorithm.spo.packing.enable`` in verl's trainers: verl's actor/rollout/reference worker
 with one more call that switches its actor and reference engines to packed forwards
 (:func:`spo_verl.adapters.packing.engine.enable_packed_training`).
 
@@ -39,7 +39,7 @@ class SPOActorRolloutRefWorker(ActorRolloutRefWorker):
 
 def packed_training_settings(settings: SPOSettings) -> PackedTrainingSettings | None:
     """What the packed engines need from the run's settings; None when packed training is off."""
-    if not settings.packed_training:
+    if not settings.packing.enable:
         return None
     return PackedTrainingSettings.from_spo(settings)
 
@@ -55,7 +55,7 @@ def use_packed_worker(role_worker_mapping: dict, settings: SPOSettings) -> bool:
             role_worker_mapping[role] = ray.remote(SPOActorRolloutRefWorker)
             swapped = True
     if not swapped:
-        raise RuntimeError("algorithm.spo.packed_training: verl's trainer no longer maps a role to "
+        raise RuntimeError("algorithm.spo.packing.enable: verl's trainer no longer maps a role to "
                            "engine_workers.ActorRolloutRefWorker; the packed worker cannot be put in its place")
     return True
 
@@ -73,5 +73,5 @@ def enable_packed_training_on(worker_groups: list[Any], settings: SPOSettings) -
         seen.add(id(group))
         switched.extend(group.spo_enable_packed_training(packed)[0])
     if "actor" not in switched:
-        raise RuntimeError(f"algorithm.spo.packed_training: no actor engine was switched (got {switched})")
+        raise RuntimeError(f"algorithm.spo.packing.enable: no actor engine was switched (got {switched})")
     return switched

@@ -1,6 +1,6 @@
 """The sample log: a few trained responses per step, the way a person wants to see them.
 
-With ``algorithm.spo.sample_log.dir`` set, both trainer adapters (``spo_verl.adapters.trainer.v1`` and
+With ``algorithm.spo.diagnostics.sample_log.dir`` set, both trainer adapters (``spo_verl.adapters.trainer.v1`` and
 ``spo_verl.adapters.trainer.legacy``) call this module after verl's advantage step, on the driver, for every
 algorithm (the ``grpo`` baselines too: plain responses, one segment each), and append one JSON line
 per training step to ``<dir>/samples.jsonl``. The cost is a handful of rows per step: which rows is
@@ -335,7 +335,7 @@ def log_step(
     """Choose the rows of a step, fetch them (``fetch(batch indices)``), write one line. Returns the
     file written, or None when the sample log is off or no row qualifies. ``spo_settings``: the
     trainer's ``algorithm.spo``."""
-    settings = spo_settings.sample_log
+    settings = spo_settings.diagnostics.sample_log
     if settings.dir is None:
         return None
     estimator = config.algorithm.get("adv_estimator")

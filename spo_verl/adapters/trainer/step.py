@@ -81,11 +81,11 @@ def after_advantages(view: BatchView, context: SPOBatchContext | None, settings:
             fetched.update(zip(missing, view.fetch(context, missing)))
         return [fetched[i] for i in chosen]
 
-    if settings.sample_log.dir is not None:
+    if settings.diagnostics.sample_log.dir is not None:
         log_step(trainer.global_steps, trainer.config, trainer.tokenizer, view.uids, [int(row.sum()) for row in mask], responses,
                  settings, rows=context.rows if context is not None else None,
                  tree_nodes=context.tree_nodes if context is not None else None, padding=padding)
-    if settings.credit_metrics:
+    if settings.diagnostics.credit_metrics:
         real = [i for i, pad in enumerate(padding) if not pad]
         metrics.update(step_credit_metrics(responses(real), trainer.tokenizer, settings.prob_mask.threshold))
     if context is None or context.trained_mask is None:

@@ -1,5 +1,5 @@
 """Equal sampling cost across algorithms: the tokens each step's rollout generated, and the end of
-training at ``algorithm.spo.generated_token_budget``.
+training at ``algorithm.spo.budget.generated_tokens``.
 
 A step's generated tokens: for SPO-tree each tree node once (leaf rows repeat their shared
 prefixes, which were generated once); for SPO-chain the responses plus their Monte Carlo

@@ -3,7 +3,7 @@
 verl's ``PPOTrainer._balance_batch`` reorders every row by sequence length to even out the tokens per
 data-parallel rank (Karmarkar-Karp over rows), which scatters a prompt's responses (a GRPO group, an
 SPO tree's leaves) over ranks and micro-batches, so a packed forward finds few rows that share a
-prompt. With ``algorithm.spo.packed_training`` the SPO trainer orders rows uid by uid instead
+prompt. With ``algorithm.spo.packing.enable`` the SPO trainer orders rows uid by uid instead
 (padding rows last, as verl appends them) and cuts the batch into equal contiguous shares per rank,
 as verl's dispatch does: a group is split only where a rank's share (or, inside the worker, a
 mini-batch) ends. The price is token balance across ranks, logged under the same metric names as

@@ -58,7 +58,7 @@ class SPOTrainer(SPOTrainerHooks, PPOTrainerSync):
         use_packed_worker(self.role_worker_mapping, self.spo_settings)
 
     def _balance_batch(self, batch, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
-        if not self.spo_settings.packed_training:
+        if not self.spo_settings.packing.enable:
             return super()._balance_batch(batch, metrics, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch)
         return balance_keeping_trees(self, batch, metrics, logging_prefix)
 

@@ -94,7 +94,7 @@ def validate_spo_run(config: Any) -> None:
             f"choose one of those or drop the setting"
         )
 
-    if settings.packed_training:
+    if settings.packing.enable:
         check_packed_training(config)
     check_rollout_log_probs_as_old(config)
 
@@ -314,8 +314,8 @@ def check_rollout_log_probs_as_old(config: Any) -> None:
 
 
 def check_packed_training(config: Any) -> None:
-    """``algorithm.spo.packed_training=true`` runs only where the packed forward equals verl's."""
-    key = "algorithm.spo.packed_training=true"
+    """``algorithm.spo.packing.enable=true`` runs only where the packed forward equals verl's."""
+    key = "algorithm.spo.packing.enable=true"
     actor_ref = config.actor_rollout_ref
     for role in ("actor", "ref"):
         section = actor_ref.get(role, {})
@@ -341,4 +341,4 @@ def check_packed_training(config: Any) -> None:
     }
     for name, value in unsupported.items():
         if value:
-            raise ValueError(f"{key} does not support {name}={value}; turn it off or set packed_training=false")
+            raise ValueError(f"{key} does not support {name}={value}; turn it off or set packing.enable=false")

@@ -342,7 +342,7 @@ def packing_section(report: Report, results: dict) -> None:
     if sweep:
         paying = [row for row in sweep if row["speedup"] > 1.0]
         report.target("7. GRPO groups: the largest packed share where packing still pays", "reported (sets "
-                      "`packed_max_token_ratio`, default 0.9)",
+                      "`packing.max_token_ratio`, default 0.9)",
                       "; ".join(f"{row['packed_share']:.2f}: {row['speedup']:.2f}x" for row in sweep), None,
                       f"packing paid up to a packed share of {max(r['packed_share'] for r in paying):.2f}"
                       if paying else "packing paid at none of the measured shares")
@@ -351,14 +351,14 @@ def packing_section(report: Report, results: dict) -> None:
 GRPO groups, where only the prompt is shared (8 responses each, the same engines and pass as above,
 packing forced on for every micro-batch): the packed share is packed tokens over row tokens; the
 cluster's GRPO settings (a ~150-token prompt under ~1,900-token responses) sit at about 0.93.
-`algorithm.spo.packed_training` runs verl's per-row forward for any micro-batch above
-`packed_max_token_ratio` (default 0.9). These are a tiny model's proportions on a CPU; on a GPU the
+`algorithm.spo.packing.enable` runs verl's per-row forward for any micro-batch above
+`packing.max_token_ratio` (default 0.9). These are a tiny model's proportions on a CPU; on a GPU the
 crossover has not been measured.
 
 {table(["group", "packed share", "per-row update ms", "packed update ms", "speed-up (spread)"], sweep_rows)}"""
     report.add("7. Packed SPO-tree training: one actor update pass", f"""
 One actor update pass, per-leaf rows (what verl trains today) against the same batch packed
-(`algorithm.spo.packed_training`, `spo_verl.adapters.packing.engine.enable_packed_training`: each tree's
+(`algorithm.spo.packing.enable`, `spo_verl.adapters.packing.engine.enable_packed_training`: each tree's
 prompt and shared segments computed once, log-probs gathered back into verl's rows), through the same
 engine code path as training: verl's actor `TrainingWorker` with its FSDP2 engine on the CPU (one-process
 gloo world), fp32, gradient checkpointing on, verl's `ppo_loss` (`vanilla`); the model is the
@@ -386,7 +386,7 @@ its time is not measured (no GPU in this session).{sweep_text}
 # ------------------------------------------------------------------------------------------------
 
 STEP_TARGET = 0.4
-CREDIT_TARGET = 0.01  # algorithm.spo.credit_metrics: under 1 % of a training step
+CREDIT_TARGET = 0.01  # algorithm.spo.diagnostics.credit_metrics: under 1 % of a training step
 
 
 def _seconds(value) -> str:
@@ -461,7 +461,7 @@ whose samples all agree (every SPO tree's leaves, or every GRPO group) has nothi
 the actor update; how many of a run's steps do so depends on what was sampled, so the phase columns and
 the target are medians over steps 2-{result['steps']} that updated the actor (like against like), and
 "step (all steps)" is the median over all of them.
-"per-row" is verl's default and this project's behaviour before packing (`algorithm.spo.packed_training=false`,
+"per-row" is verl's default and this project's behaviour before packing (`algorithm.spo.packing.enable=false`,
 old log-probs recomputed by the actor); "packed + rollout log-probs" is what the CPU settings now run:
 every micro-batch packed (each prompt, shared response prefix and few-shot preamble once) and vLLM's
 float32 log-probs taken as the old log-probs (`algorithm.rollout_correction.bypass_mode=true`, so

@@ -1,7 +1,7 @@
 """The GPU check's packed-against-per-row passes: one actor micro-batch of the cluster settings, forward
 and backward of ``sum(log-prob x weight)`` through the project's packed forward
 (:func:`spo_verl.core.packing.pack_sequences` + :func:`spo_verl.core.packing.packed_row_log_probs`, what
-``algorithm.spo.packed_training`` runs) and through the model's own SDPA attention row by row, in
+``algorithm.spo.packing.enable`` runs) and through the model's own SDPA attention row by row, in
 micro-batches of at most the setting's token budget as verl cuts them. No verl import.
 
 The micro-batch is what the packed engine would give the actor: a tree's leaf rows (or a group's
@@ -28,7 +28,7 @@ from spo_verl.adapters.packing.micro_batches import packed_token_count, tree_mic
 from spo_verl.core.packing.packed_forward import _chunk_scores, _decoder_and_head
 from spo_workbench.testing.random_trees import Tree
 
-CHUNK_TOKENS = 4096  # algorithm.spo.packed_chunk_tokens' default, for both sides' vocabulary projection
+CHUNK_TOKENS = 4096  # algorithm.spo.packing.chunk_tokens' default, for both sides' vocabulary projection
 TEMPERATURE = 0.6  # both cluster settings sample (and so compute log-probs) at 0.6
 
 
@@ -88,7 +88,7 @@ WHOLE_TREE = PackCase("math_tree_whole", "math-r1-1.5b", (6, 6, 6), 150, (600, 6
                       whole="the whole tree as one micro-batch (per-row: micro-batches of 32,768 tokens)")
 
 # Where packing stops paying for a GRPO group on a GPU (``--share-sweep``): eight 1,024-token responses to one
-# prompt, the prompt's length chosen for each packed share (what ``packed_max_token_ratio`` compares), the
+# prompt, the prompt's length chosen for each packed share (what ``packing.max_token_ratio`` compares), the
 # group one micro-batch. Ordered by share, after the cluster's own cases.
 SWEEP_SHARES = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95)
 SWEEP_ROWS, SWEEP_RESPONSE = 8, 1024

@@ -67,10 +67,10 @@ def _packing_targets(row: dict, dry: bool) -> list[Target]:
                 f"{int(row['row_tokens']):,} row tokens ({share:.2f}); peak {_gib(_f(row, 'a_peak_gib'))} / "
                 f"{_gib(_f(row, 'b_peak_gib'))} GiB; SDPA {row['a_sdpa']} / {row['b_sdpa']}")
     target = ("packed faster than per-row (> 1x)" if pays else f"reported (packed share above "
-              f"`packed_max_token_ratio` {PACKED_MAX_TOKEN_RATIO:g}: training runs it per row)")
+              f"`packing.max_token_ratio` {PACKED_MAX_TOKEN_RATIO:g}: training runs it per row)")
     hit = None if dry or not pays else _f(row, "ratio") > 1.0
     reason = DRY if dry else (f"packing did not pay at a packed share of {share:.2f} (under "
-                              f"`packed_max_token_ratio`, so training packs such a micro-batch)" if hit is False else "")
+                              f"`packing.max_token_ratio`, so training packs such a micro-batch)" if hit is False else "")
     targets.append(Target(f"{name}: forward + backward, per-row vs packed", target, measured, hit, reason))
     return targets
 

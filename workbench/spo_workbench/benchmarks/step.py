@@ -35,8 +35,8 @@ from spo_verl.tools.metrics_log import read_logged_steps
 PER_ROW = "per-row (verl's default)"
 PACKED = "packed + rollout log-probs"
 CONFIGURATIONS = {
-    PER_ROW: ["algorithm.spo.packed_training=false", "algorithm.rollout_correction.bypass_mode=false"],
-    PACKED: ["algorithm.spo.packed_training=true", "algorithm.rollout_correction.bypass_mode=true"],
+    PER_ROW: ["algorithm.spo.packing.enable=false", "algorithm.rollout_correction.bypass_mode=false"],
+    PACKED: ["algorithm.spo.packing.enable=true", "algorithm.rollout_correction.bypass_mode=true"],
 }
 PHASES = ("gen", "old_log_prob", "ref", "adv", "update_actor", "update_weights", "step")
 SCRIPTS = {"spo_tree": "run_spo_tree.sh", "spo_chain": "run_spo_chain.sh"}  # the rest: run_grpo.sh
@@ -115,7 +115,7 @@ def run_one(algorithm: str, configuration: str, setting: str, steps: int, work: 
         "updated": [_updated(data) for _, data in logged],
         "update_tokens": {"forwarded": forwarded, "unique": unique, "rows": row_tokens, "exact": exact},
         "generated_tokens": _median_after_first(logged, "spo/generated_tokens"),
-        # algorithm.spo.credit_metrics (on in the CPU settings): its seconds against the same step's.
+        # algorithm.spo.diagnostics.credit_metrics (on in the CPU settings): its seconds against the same step's.
         "credit_share": _median_after_first([(step, {"share": data["spo/credit/seconds"] / data["timing_s/step"]})
                                              for step, data in logged if "spo/credit/seconds" in data
                                              and data.get("timing_s/step")], "share"),

@@ -2,7 +2,7 @@
 
     python -m spo_workbench.credit.turns RUN_DIR [RUN_DIR ...] [--csv FILE]
 
-Each ``RUN_DIR`` holds a run's ``samples.jsonl`` (``algorithm.spo.sample_log``: a few episodes each
+Each ``RUN_DIR`` holds a run's ``samples.jsonl`` (``algorithm.spo.diagnostics.sample_log``: a few episodes each
 step, every leaf of one tree for SPO-tree) and, when the study command wrote it, ``done.json`` (its
 algorithm and seed). Every logged episode of an arithmetic dialogue gets its first wrong turn
 (:mod:`spo_verl.core.credit.dialogue_errors`), and each of its turns the credit it was given: the
@@ -209,7 +209,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     missing = [str(run) for run in args.runs if not (run / "samples.jsonl").is_file()]
     if missing:
-        parser.error(f"no samples.jsonl in {', '.join(missing)} (runs need algorithm.spo.sample_log.dir)")
+        parser.error(f"no samples.jsonl in {', '.join(missing)} (runs need algorithm.spo.diagnostics.sample_log.dir)")
     rows = [row for run in args.runs for row in read_run(run)]
     if not rows:
         parser.error("the sample logs hold no multi-turn episode")

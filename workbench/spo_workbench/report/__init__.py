@@ -5,5 +5,5 @@ tables and one self-contained HTML page with real segments and one SPO tree.
 
 ``METRICS_JSONL`` is what verl's ``file`` logger writes (``trainer.logger`` with ``file``, path in
 ``VERL_FILE_LOGGER_PATH``): one ``{"step": N, "data": {metric: value}}`` line per log call.
-``SAMPLES_JSONL`` is the run's sample log (``algorithm.spo.sample_log.dir``/samples.jsonl).
+``SAMPLES_JSONL`` is the run's sample log (``algorithm.spo.diagnostics.sample_log.dir``/samples.jsonl).
 """

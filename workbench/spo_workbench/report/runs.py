@@ -40,7 +40,7 @@ REWARD_KEY = "critic/score/mean"
 WALL_TIME_KEY = "timing_s/step"
 TIMING_PREFIX = "timing_s/"
 # verl's step timers, in the order a step runs them; the step's other time is what none of them covers.
-# Where each step's advantages put a wrong answer's blame (algorithm.spo.credit_metrics), by StepRow field.
+# Where each step's advantages put a wrong answer's blame (algorithm.spo.diagnostics.credit_metrics), by StepRow field.
 CREDIT_KEYS = {"blame_on_error": "spo/credit/blame_on_error", "blame_on_error_masked": "spo/credit/blame_on_error_masked",
                "blame_on_error_net": "spo/credit/blame_on_error_net"}
 PHASES = ("gen", "reward", "old_log_prob", "adv", "update_actor", "update_weights", "testing", "save_checkpoint")

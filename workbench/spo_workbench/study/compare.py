@@ -398,8 +398,8 @@ def _train_attempt(study: Study, folder: "RunFolder", algorithm: str, seed: int,
     metrics = folder.new_attempt(resumed_from)
     command = _launch_command(
         study, folder, algorithm, seed, resumed_from,
-        f"algorithm.spo.generated_token_budget={remaining}",
-        f"algorithm.spo.sample_log.dir={folder.path}",
+        f"algorithm.spo.budget.generated_tokens={remaining}",
+        f"algorithm.spo.diagnostics.sample_log.dir={folder.path}",
         # Every validation's answers (verl writes <step>.jsonl: input, output, score), for the error analysis.
         f"trainer.validation_data_dir={folder.path / 'validation'}",
         f"trainer.val_before_train={str(resumed_from == 0).lower()}",  # step 0: the base model's accuracy
