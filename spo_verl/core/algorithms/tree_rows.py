@@ -109,6 +109,24 @@ def _as_int64(flat: np.ndarray, size: int) -> np.ndarray | None:
     return flat.astype(np.int64, copy=False)
 
 
+def _flatten_paths(tree_ids, paths, has_tree: list[bool], used: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The rows with a tree as arrays: each row's tree code (trees numbered by first row), path length,
+    and every path's node ids end to end (int64); None where a path is empty or not all integers."""
+    try:
+        used_tree_ids = list(itertools.compress(tree_ids, has_tree))
+        codes = {tree_id: code for code, tree_id in enumerate(dict.fromkeys(used_tree_ids))}  # by first row
+        tree_codes = np.fromiter(map(codes.__getitem__, used_tree_ids), dtype=np.int64, count=used)
+        used_paths = list(itertools.compress(paths, has_tree))
+        counts = np.fromiter(map(len, used_paths), dtype=np.int64, count=used)
+        flat = np.array(list(itertools.chain.from_iterable(used_paths)))
+    except (TypeError, ValueError, OverflowError):
+        return None
+    flat = _as_int64(flat, int(counts.sum()))
+    if flat is None or int(counts.min()) == 0:
+        return None
+    return tree_codes, counts, flat
+
+
 def _forest_tables(tree_ids: Sequence[Hashable | None], paths: Sequence[Sequence[int] | None]) -> _ForestTables | None:
     """:func:`build_forest` as arrays, from the flattened paths; None when the paths are not all
     non-empty sequences of integers or the forest is invalid (the reference builder then decides).
@@ -125,21 +143,13 @@ def _forest_tables(tree_ids: Sequence[Hashable | None], paths: Sequence[Sequence
     if not used.size:
         return _ForestTables(np.zeros(0, dtype=np.int64), np.zeros((batch, 0), dtype=np.int64),
                              np.zeros(batch, dtype=np.int64))
-    try:
-        used_tree_ids = list(itertools.compress(tree_ids, has_tree))
-        codes = {tree_id: code for code, tree_id in enumerate(dict.fromkeys(used_tree_ids))}  # by first row
-        tree_codes = np.fromiter(map(codes.__getitem__, used_tree_ids), dtype=np.int64, count=used.size)
-        used_paths = list(itertools.compress(paths, has_tree))
-        counts = np.fromiter(map(len, used_paths), dtype=np.int64, count=used.size)
-        flat = np.array(list(itertools.chain.from_iterable(used_paths)))
-    except (TypeError, ValueError, OverflowError):
+    flattened = _flatten_paths(tree_ids, paths, has_tree, used.size)
+    if flattened is None:
         return None
-    flat = _as_int64(flat, int(counts.sum()))
-    if flat is None or int(counts.min()) == 0:
-        return None
+    tree_codes, counts, flat = flattened
     low, high = int(flat.min()), int(flat.max())
     span = high - low + 2  # key tree * span + 0 is the tree's root, tree * span + id - low + 1 its node id
-    if len(codes) * span >= 1 << 62:
+    if (int(tree_codes.max()) + 1) * span >= 1 << 62:
         return None
     runs = counts + 1
     total = int(runs.sum())
@@ -259,6 +269,53 @@ def _zero_outside_(values: torch.Tensor, keep: torch.Tensor) -> None:
         values.masked_fill_(~keep, 0)
 
 
+def _leaf_rewards(tables: _ForestTables, rewards: torch.Tensor) -> torch.Tensor:
+    """Each node's reward in float64 (exact sibling centring): its row's where it is a leaf, else 0."""
+    leaf_rewards = torch.zeros(tables.parents.size, dtype=torch.float64, device=rewards.device)
+    used = np.flatnonzero(tables.counts)
+    if used.size:
+        leaves = tables.nodes[used, tables.counts[used] - 1]
+        leaf_rewards[torch.from_numpy(leaves).to(rewards.device)] = rewards[torch.from_numpy(used).to(rewards.device)].double()
+    return leaf_rewards
+
+
+def _first_row_of_each_node(node_table: torch.Tensor, num_nodes: int) -> torch.Tensor:
+    """(num_nodes,) the first row whose path holds each node, the row that trains it (B where none does)."""
+    batch_size = node_table.shape[0]
+    rows = torch.arange(batch_size, device=node_table.device)[:, None].expand_as(node_table)
+    present = node_table >= 0
+    owner = torch.full((num_nodes,), batch_size, dtype=torch.long, device=node_table.device)
+    owner.scatter_reduce_(0, node_table[present], rows[present], reduce="amin")
+    return owner
+
+
+def _spread_over_tokens(piece_advantages: torch.Tensor, piece_trained: torch.Tensor, end_table: torch.Tensor,
+                        response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's pieces (B, W + 1; the last the rest after its path) repeated over their tokens, ending at
+    ``end_table``'s offsets, values copied exactly, a chunk of rows at a time; tokens outside
+    ``response_mask`` cleared. Returns the token advantages and the trained mask."""
+    batch_size, length = response_mask.shape
+    device, dtype = piece_advantages.device, piece_advantages.dtype
+    if not (end_table.shape[1] and length and batch_size):
+        return (torch.zeros(batch_size, length, dtype=dtype, device=device),
+                torch.zeros(batch_size, length, dtype=torch.bool, device=device))
+    token_advantages = torch.empty(batch_size, length, dtype=dtype, device=device)
+    trained = torch.empty(batch_size, length, dtype=torch.bool, device=device)
+    bounds = torch.cat([end_table.new_zeros(batch_size, 1), end_table, end_table.new_full((batch_size, 1), length)], dim=1)
+    piece_lengths = torch.diff(bounds, dim=1).int()  # (B, W + 1), each row sums to the length
+    step = max(1, _CHUNK_TOKENS // length)
+    for start in range(0, batch_size, step):
+        stop = min(batch_size, start + step)
+        take = torch.repeat_interleave(piece_lengths[start:stop].reshape(-1), output_size=(stop - start) * length)
+        chunk_advantages, chunk_trained = token_advantages[start:stop], trained[start:stop]
+        torch.index_select(piece_advantages[start:stop].reshape(-1), 0, take, out=chunk_advantages.view(-1))
+        torch.index_select(piece_trained[start:stop].reshape(-1), 0, take, out=chunk_trained.view(-1))
+        in_response = response_mask[start:stop].bool()
+        chunk_trained.logical_and_(in_response)
+        _zero_outside_(chunk_advantages, in_response)
+    return token_advantages, trained
+
+
 def tree_token_advantages(
     tree_ids: Sequence[Hashable | None],
     paths: Sequence[Sequence[int] | None],
@@ -287,61 +344,31 @@ def tree_token_advantages(
     if tables is None:
         tables = _tables_from_forest(build_forest_reference(tree_ids, paths), batch_size)
     end_table = torch.from_numpy(_segment_end_table(tables, segment_ends, length)).to(device)
-    width = tables.nodes.shape[1]
-    num_nodes = tables.parents.size
     parents = torch.from_numpy(tables.parents).to(device)
     node_table = torch.from_numpy(tables.nodes).to(device)
-    leaf_rewards = torch.zeros(num_nodes, dtype=torch.float64, device=device)  # exact sibling centring
-    used = np.flatnonzero(tables.counts)
-    if used.size:
-        leaves = tables.nodes[used, tables.counts[used] - 1]
-        leaf_rewards[torch.from_numpy(leaves).to(device)] = rewards[torch.from_numpy(used).to(device)].double()
-
-    values = tree_values_batched(parents, leaf_rewards)
+    values = tree_values_batched(parents, _leaf_rewards(tables, rewards))
     node_advantages = tree_advantages_batched(parents, values, std_normalize=std_normalize)
 
-    rows = torch.arange(batch_size, device=device)[:, None].expand_as(node_table)
-    present = node_table >= 0
-    owner = torch.full((num_nodes,), batch_size, dtype=torch.long, device=device)
-    owner.scatter_reduce_(0, node_table[present], rows[present], reduce="amin")
-    trainable = torch.ones(num_nodes, dtype=torch.bool, device=device)
-    trainable &= parents >= 0  # roots carry no segment
+    trainable = parents >= 0  # roots carry no segment
     if drop_zero_advantage:
         trainable &= node_advantages != 0
     if max_trained_segments_per_tree is not None:
         trainable &= _sample_per_tree(parents, trainable, max_trained_segments_per_tree, generator)
 
     # Per row, the response is a run of pieces: the path's segments in order, then the rest (after the
-    # last segment end, or a row with no path), which has advantage 0 and trains nothing. Each piece's
-    # advantage and trained flag are repeated over its tokens (values copied exactly), a chunk of rows
-    # at a time, then the tokens outside the response mask are cleared.
+    # last segment end, or a row with no path), which has advantage 0 and trains nothing.
+    width = tables.nodes.shape[1]
+    present = node_table >= 0
     safe_node = node_table.clamp(min=0)
     piece_trained = torch.zeros(batch_size, width + 1, dtype=torch.bool, device=device)
+    owner = _first_row_of_each_node(node_table, parents.numel())
+    rows = torch.arange(batch_size, device=device)[:, None]
     piece_trained[:, :width] = present & (owner[safe_node] == rows) & trainable[safe_node]
     piece_advantages = torch.zeros(batch_size, width + 1, dtype=rewards.dtype, device=device)
     piece_advantages[:, :width] = torch.where(
         piece_trained[:, :width] if zero_untrained else present, node_advantages[safe_node], 0.0
     ).to(rewards.dtype)
-    if not (width and length and batch_size):
-        token_advantages = torch.zeros(batch_size, length, dtype=rewards.dtype, device=device)
-        trained = torch.zeros(batch_size, length, dtype=torch.bool, device=device)
-    else:
-        token_advantages = torch.empty(batch_size, length, dtype=rewards.dtype, device=device)
-        trained = torch.empty(batch_size, length, dtype=torch.bool, device=device)
-        bounds = torch.cat(
-            [end_table.new_zeros(batch_size, 1), end_table, end_table.new_full((batch_size, 1), length)], dim=1
-        )
-        piece_lengths = torch.diff(bounds, dim=1).int()  # (B, W + 1), each row sums to the length
-        step = max(1, _CHUNK_TOKENS // length)
-        for start in range(0, batch_size, step):
-            stop = min(batch_size, start + step)
-            take = torch.repeat_interleave(piece_lengths[start:stop].reshape(-1), output_size=(stop - start) * length)
-            chunk_advantages, chunk_trained = token_advantages[start:stop], trained[start:stop]
-            torch.index_select(piece_advantages[start:stop].reshape(-1), 0, take, out=chunk_advantages.view(-1))
-            torch.index_select(piece_trained[start:stop].reshape(-1), 0, take, out=chunk_trained.view(-1))
-            in_response = response_mask[start:stop].bool()
-            chunk_trained.logical_and_(in_response)
-            _zero_outside_(chunk_advantages, in_response)
+    token_advantages, trained = _spread_over_tokens(piece_advantages, piece_trained, end_table, response_mask)
     return TreeBatchAdvantages(
         token_advantages=token_advantages,
         trained_mask=trained,
