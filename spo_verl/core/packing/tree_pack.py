@@ -118,30 +118,9 @@ def _as_list(values) -> list[int]:
     return [int(v) for v in values]
 
 
-def pack_sequences(
-    sequences: Sequence[Sequence[int] | torch.Tensor],
-    prompt_lengths: Sequence[int],
-    response_width: int | None = None,
-) -> PackedTree:
-    """Pack rows given only as token sequences (prompt then response): every prefix that several rows
-    share is one run of packed tokens (a radix trie over the rows), whatever made them share it -- an
-    SPO tree's segments, the ``rollout.n`` responses of one prompt, a few-shot preamble common to all
-    prompts, verl's identical padding rows. Exact for a causal LM: a token's hidden state depends only
-    on the tokens before it and their positions, which are the same in every row holding that prefix.
-
-    A "tree" here is a set of rows that share at least their first token; ``prompt_lengths[b]`` says
-    where row ``b``'s response starts (for :attr:`PackedTree.response_index`). Rows of length 0 own
-    no tokens."""
-    if len(sequences) != len(prompt_lengths):
-        raise ValueError("pack_sequences needs one prompt length per sequence")
-    rows = [np.asarray(_as_list(sequence), dtype=np.int64) for sequence in sequences]
-    lengths = [int(row.size) for row in rows]
-    response_lengths = []
-    for row, (length, prompt_length) in enumerate(zip(lengths, prompt_lengths)):
-        if not 0 <= int(prompt_length) <= length:
-            raise ValueError(f"row {row}: prompt length {prompt_length} outside its {length} tokens")
-        response_lengths.append(length - int(prompt_length))
-
+def _radix_trie(rows: list[np.ndarray], lengths: list[int]):
+    """The rows' radix trie: each node's parent (-1 for a tree's first node), tokens and tree, each node's
+    children, each row's chain of nodes, and the number of trees (rows that share a first token)."""
     node_parent: list[int] = []
     node_tokens: list[list[int]] = []
     node_tree: list[int] = []
@@ -177,6 +156,34 @@ def pack_sequences(
             going_on = [row for row in group if lengths[row] > start + shared]
             if going_on:
                 work.append((node, start + shared, going_on))
+    return node_parent, node_tokens, node_tree, children, chains, trees
+
+
+def pack_sequences(
+    sequences: Sequence[Sequence[int] | torch.Tensor],
+    prompt_lengths: Sequence[int],
+    response_width: int | None = None,
+) -> PackedTree:
+    """Pack rows given only as token sequences (prompt then response): every prefix that several rows
+    share is one run of packed tokens (a radix trie over the rows), whatever made them share it -- an
+    SPO tree's segments, the ``rollout.n`` responses of one prompt, a few-shot preamble common to all
+    prompts, verl's identical padding rows. Exact for a causal LM: a token's hidden state depends only
+    on the tokens before it and their positions, which are the same in every row holding that prefix.
+
+    A "tree" here is a set of rows that share at least their first token; ``prompt_lengths[b]`` says
+    where row ``b``'s response starts (for :attr:`PackedTree.response_index`). Rows of length 0 own
+    no tokens."""
+    if len(sequences) != len(prompt_lengths):
+        raise ValueError("pack_sequences needs one prompt length per sequence")
+    rows = [np.asarray(_as_list(sequence), dtype=np.int64) for sequence in sequences]
+    lengths = [int(row.size) for row in rows]
+    response_lengths = []
+    for row, (length, prompt_length) in enumerate(zip(lengths, prompt_lengths)):
+        if not 0 <= int(prompt_length) <= length:
+            raise ValueError(f"row {row}: prompt length {prompt_length} outside its {length} tokens")
+        response_lengths.append(length - int(prompt_length))
+
+    node_parent, node_tokens, node_tree, children, chains, trees = _radix_trie(rows, lengths)
     return _assemble(node_parent, node_tokens, node_tree, children, chains, [int(p) for p in prompt_lengths],
                      response_lengths, response_width, trees)
 

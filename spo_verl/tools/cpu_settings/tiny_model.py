@@ -80,27 +80,10 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_tokenizer(directory: str | os.PathLike, characters: Sequence[str] = CHARACTERS):
-    """Build a deterministic character-level tokenizer, save it to ``directory`` and return it.
-
-    Vocabulary (87 tokens by default, ids in this order): ``<pad>`` (0), ``<unk>`` (1), ``<|im_start|>``
-    (2), ``<|im_end|>`` (3), ``<eos>`` (4), then ``characters``, by default the digits, ``a``-``z``,
-    ``A``-``Z``, space, newline and ``+-*/=().,:;?!'_<>#``. Special tokens are matched as whole strings.
-
-    It is a byte-level BPE *without merges* (every character is one token), i.e. the same pipeline
-    as Qwen2's tokenizer: transformers 5 always loads a ``model_type == "qwen2"`` checkpoint with
-    ``Qwen2Tokenizer`` (byte-level BPE, NFC, Qwen pre-tokenizer regex), whatever class is saved,
-    so this is the only way ``AutoTokenizer.from_pretrained`` (used by verl and vLLM) encodes and
-    decodes exactly like the returned object. Characters outside the vocabulary are silently
-    dropped by the byte-level BPE (there is no unknown-token fallback in Qwen2Tokenizer).
-
-    ``eos_token`` is ``<|im_end|>`` (end of turn, what generation stops on), ``pad_token`` is
-    ``<pad>``, ``bos_token`` is ``<eos>`` (a document separator playing the role of Qwen's
-    ``<|endoftext|>``; it is never added automatically). The chat template is ChatML/Qwen-style
-    (:data:`CHAT_TEMPLATE`).
-    """
+def _character_byte_level_bpe(characters: Sequence[str]):
+    """The special tokens, then one token per character, in Qwen2's byte-level pipeline with no merges
+    (see :func:`build_tiny_tokenizer`)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     byte_char = _bytes_to_unicode()
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
@@ -128,7 +111,31 @@ def build_tiny_tokenizer(directory: str | os.PathLike, characters: Sequence[str]
     )
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    return tok
 
+
+def build_tiny_tokenizer(directory: str | os.PathLike, characters: Sequence[str] = CHARACTERS):
+    """Build a deterministic character-level tokenizer, save it to ``directory`` and return it.
+
+    Vocabulary (87 tokens by default, ids in this order): ``<pad>`` (0), ``<unk>`` (1), ``<|im_start|>``
+    (2), ``<|im_end|>`` (3), ``<eos>`` (4), then ``characters``, by default the digits, ``a``-``z``,
+    ``A``-``Z``, space, newline and ``+-*/=().,:;?!'_<>#``. Special tokens are matched as whole strings.
+
+    It is a byte-level BPE *without merges* (every character is one token), i.e. the same pipeline
+    as Qwen2's tokenizer: transformers 5 always loads a ``model_type == "qwen2"`` checkpoint with
+    ``Qwen2Tokenizer`` (byte-level BPE, NFC, Qwen pre-tokenizer regex), whatever class is saved,
+    so this is the only way ``AutoTokenizer.from_pretrained`` (used by verl and vLLM) encodes and
+    decodes exactly like the returned object. Characters outside the vocabulary are silently
+    dropped by the byte-level BPE (there is no unknown-token fallback in Qwen2Tokenizer).
+
+    ``eos_token`` is ``<|im_end|>`` (end of turn, what generation stops on), ``pad_token`` is
+    ``<pad>``, ``bos_token`` is ``<eos>`` (a document separator playing the role of Qwen's
+    ``<|endoftext|>``; it is never added automatically). The chat template is ChatML/Qwen-style
+    (:data:`CHAT_TEMPLATE`).
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    tok = _character_byte_level_bpe(characters)
     hf_tok = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=EOS_TOKEN,
@@ -191,6 +198,45 @@ def _calibrate_head(model, tokenizer, seed: int, eos_prob: float, bias_dim: int)
         w[:, bias_dim] = bias / h_bias
 
 
+def _tiny_qwen2_config(tokenizer, eos_id: int):
+    """The tiny model's architecture (see :func:`build_tiny_qwen2`)."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        hidden_act="silu",
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=eos_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+
+
+def _add_bias_dimension(model, seed: int, bias_dim: int) -> None:
+    """O(1) embeddings whose ``bias_dim`` is a constant no layer writes to (see :func:`build_tiny_qwen2`);
+    under ``torch.no_grad()``."""
+    import torch
+
+    emb = model.model.embed_tokens.weight
+    # Make the embeddings O(1) so the constant coordinate is comparable to the others.
+    emb.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(seed))
+    emb[:, bias_dim] = math.sqrt(model.config.hidden_size - 1) / 2
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.weight[bias_dim, :] = 0.0
+        layer.mlp.down_proj.weight[bias_dim, :] = 0.0
+
+
 def build_tiny_qwen2(directory: str | os.PathLike, tokenizer, seed: int = 0, eos_prob: float = 0.04) -> str:
     """Build a randomly initialised tiny ``Qwen2ForCausalLM``; save it (+ tokenizer) to ``directory``.
 
@@ -220,41 +266,17 @@ def build_tiny_qwen2(directory: str | os.PathLike, tokenizer, seed: int = 0, eos
     Returns ``str(directory)``.
     """
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import GenerationConfig, Qwen2ForCausalLM
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-        hidden_act="silu",
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        use_sliding_window=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=eos_id,
-        pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
-    )
+    config = _tiny_qwen2_config(tokenizer, eos_id)
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config).to(torch.float32).eval()
     bias_dim = config.hidden_size - 1
     with torch.no_grad():
-        emb = model.model.embed_tokens.weight
-        # Make the embeddings O(1) so the constant coordinate is comparable to the others.
-        emb.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(seed))
-        emb[:, bias_dim] = math.sqrt(config.hidden_size - 1) / 2
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight[bias_dim, :] = 0.0
-            layer.mlp.down_proj.weight[bias_dim, :] = 0.0
+        _add_bias_dimension(model, seed, bias_dim)
         _calibrate_head(model, tokenizer, seed, eos_prob, bias_dim)
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
