@@ -396,3 +396,22 @@ def test_the_paired_difference_to_grpo_is_over_the_same_responses():
     # a: 1.0 against 0.5; b: 1/3 against 1/4.
     value, (low, high) = paired_difference(spo, grpo, "all tokens", resamples=20)
     assert value == pytest.approx(((1.0 - 0.5) + (1 / 3 - 0.25)) / 2) and low == high == pytest.approx(value)
+
+
+def test_the_papers_shapes_follow_each_task_and_are_the_gradient_measurements_own():
+    """The credit command's 6-6-6 tree takes two segments of a quarter of each task's mean answer (29, 42
+    and 53 tokens at k = 2, 3, 4), the int5 chain 9 Monte Carlo samples a boundary, and the gradient
+    measurement's estimators of the same names sample exactly these."""
+    from spo_workbench.credit.__main__ import SMOLLM2_SETUPS, setup_for
+    from spo_workbench.credit.gradients import smollm2_estimators
+
+    trees = {task: setup_for(SMOLLM2_SETUPS["6_6_6"], task) for task in ("steps2", "steps3", "steps4")}
+    assert {task: (tree.branching, tree.segment_tokens, tree.branch_at) for task, tree in trees.items()} == {
+        "steps2": ((6, 6, 6), (7, 7), "fixed"), "steps3": ((6, 6, 6), (10, 10), "fixed"),
+        "steps4": ((6, 6, 6), (13, 13), "fixed")}
+    chain = setup_for(SMOLLM2_SETUPS["int5_mc9"], "steps3")
+    assert (chain.responses, chain.cutpoint_interval, chain.mc_samples) == (4, 5, 9)
+    assert setup_for(SMOLLM2_SETUPS["study"], "steps3") is SMOLLM2_SETUPS["study"]
+    for task in ("steps3", "steps4"):
+        estimators = {estimator.name: estimator.setup for estimator in smollm2_estimators(task)}
+        assert estimators["spo_tree_6_6_6"] == trees[task] and estimators["spo_chain_int5_mc9"] == chain

@@ -1,6 +1,7 @@
 """Where each estimator puts the blame, measured on the same rollouts, and the Monte Carlo values checked.
 
-    python -m spo_workbench.credit [--tasks steps2,steps4,steps6] [--prompts 32] [--setups study,cutpoint,wide,chain]
+    python -m spo_workbench.credit [--tasks steps2,steps4,steps6] [--prompts 32]
+                              [--setups study,cutpoint,wide,chain,6_6_6,int5_mc9]
                               [--value-prefixes 200] [--reference-samples 32] [--value-tasks TASKS]
                               [--output-dir outputs/credit] [--quick] [--from-responses CSV [CSV ...]]
 
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spo_verl.core.credit.blame import MEASURES, VIEWS, Response, bootstrap, groups_of, paired_difference, summarise
-from spo_workbench.credit.rollouts import ChainSetup, TreeSetup
+from spo_workbench.credit.rollouts import PAPER_CHAIN, ChainSetup, TreeSetup, paper_tree
 
 THRESHOLD = 0.9  # algorithm.spo.prob_mask.threshold
 SMOLLM2_SETUPS = {
@@ -50,7 +51,15 @@ SMOLLM2_SETUPS = {
     "wide": TreeSetup("wide", (2, 4), (10,)),
     # SPO-chain as the study ran it: 4 responses a prompt, cutpoints every 5 tokens, 4 MC samples.
     "chain": ChainSetup("chain", responses=4, cutpoint_interval=5, mc_samples=4),
+    # The paper's shapes: the 6-6-6 tree, its segments scaled to each task's answers, and int5 with 9 MC samples.
+    "6_6_6": paper_tree,
+    "int5_mc9": PAPER_CHAIN,
 }
+
+
+def setup_for(setup, task: str):
+    """``setup`` as ``task`` samples it: a setup whose shape follows the task is a function of its name."""
+    return setup(task) if callable(setup) else setup
 QUICK_SETUPS = {"tiny": TreeSetup("tiny", (3, 3), (4,)),
                 "tiny_chain": ChainSetup("tiny_chain", responses=3, cutpoint_interval=1, mc_samples=4)}
 COLUMNS = ("task", "horizon", "setup", "estimator", "prompt_uid", "response_id", "reward", "first_error_token",
@@ -302,7 +311,8 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", default="steps2,steps4,steps6", help="cpu-smollm2 tasks (default: a horizon sweep)")
     parser.add_argument("--prompts", type=int, default=32, help="problems (one tree each) per task and setup")
-    parser.add_argument("--setups", default=",".join(SMOLLM2_SETUPS), help=f"of {','.join(SMOLLM2_SETUPS)}")
+    parser.add_argument("--setups", default="study,cutpoint,wide,chain",
+                        help=f"of {','.join(SMOLLM2_SETUPS)} (default: all but the paper's shapes, whose trees cost 5,000 tokens a prompt)")
     parser.add_argument("--value-prefixes", type=int, default=200,
                         help="check the chain's Monte Carlo values on this many prefixes of each task's chains (0: no check)")
     parser.add_argument("--reference-samples", type=int, default=32, help="continuations of each checked prefix's reference value")
@@ -352,7 +362,8 @@ def main(argv=None) -> int:
         if done.exists():
             print(f"credit: {task.name}: kept from {done}", flush=True)
             continue
-        keep_task(parts, task, *asyncio.run(measure_task(task, setups, check if task.name in value_tasks else None)))
+        task_setups = [setup_for(setup, task.name) for setup in setups]
+        keep_task(parts, task, *asyncio.run(measure_task(task, task_setups, check if task.name in value_tasks else None)))
     # The sweep's files: every task's, in the order of --tasks.
     responses = args.output_dir / "responses.csv"
     with open(responses, "w") as out:

@@ -37,7 +37,7 @@ import torch
 
 from spo_verl.core.credit.gradients import corrected_cosine, cosine, paired_interval, tokens_to_match
 from spo_workbench.credit.gradient_draws import Estimator, GroupSetup
-from spo_workbench.credit.rollouts import ChainSetup, TreeSetup, gsm8k_score
+from spo_workbench.credit.rollouts import PAPER_CHAIN, ChainSetup, TreeSetup, gsm8k_score, paper_tree
 
 SCORE = gsm8k_score  # every response's reward (the tests give the untrained tiny model a reward that varies)
 MIN_HALVES_COSINE = 0.2  # a reference whose halves agree less is too noisy to correct by (STUDY.md)
@@ -57,11 +57,9 @@ CUTPOINT = dict(branch_at="cutpoint", cutpoint=("responses=2", "max_forks=1", "w
 
 
 def smollm2_estimators(task: str) -> list[Estimator]:
-    """The declared estimators; the 6-6-6 tree's two first segments a quarter of the task's mean answer
-    (steps3: 42 tokens, steps4: 53, docs/RESULTS.md's calibration)."""
-    quarter = {"steps3": 10, "steps4": 13}[task]
+    """The declared estimators, the paper's shapes among them (:func:`paper_tree`, :data:`PAPER_CHAIN`)."""
     trees = {"spo_tree_2_2": _tree("2_2", (2, 2), (10,)), "spo_tree_4_4": _tree("4_4", (4, 4), (10,)),
-             "spo_tree_6_6_6": _tree("6_6_6", (6, 6, 6), (quarter, quarter)),
+             "spo_tree_6_6_6": paper_tree(task),
              "spo_tree_cutpoint": _tree("cutpoint", (2, 2), (10,), **CUTPOINT)}
     out = [Estimator("grpo", GroupSetup("grpo"), "grpo", "vanilla"),
            Estimator("grpo_prob_mask", GroupSetup("grpo"), "grpo", "spo_prob_mask"),
@@ -69,7 +67,7 @@ def smollm2_estimators(task: str) -> list[Estimator]:
     for name, setup in trees.items():
         out += [Estimator(name, setup, "spo_tree", "spo_prob_mask"),
                 Estimator(f"{name}_pooled", setup, "spo_tree_pooled", "spo_prob_mask")]
-    out += [Estimator("spo_chain_int5_mc9", ChainSetup("int5_mc9", 4, 5, 9), "spo_chain", "spo_prob_mask"),
+    out += [Estimator("spo_chain_int5_mc9", PAPER_CHAIN, "spo_chain", "spo_prob_mask"),
             Estimator("spo_chain_int5_mc4", ChainSetup("int5_mc4", 4, 5, 4), "spo_chain", "spo_prob_mask")]
     return out
 

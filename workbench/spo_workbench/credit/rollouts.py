@@ -66,6 +66,22 @@ class ChainSetup:
         return self.responses
 
 
+#: A quarter of each horizon task's mean answer in tokens (docs/RESULTS.md's calibration: 29, 42, 53, 77):
+#: the paper's 600-token segments of much longer answers, scaled to these tasks.
+QUARTER_ANSWER_TOKENS = {"steps2": 7, "steps3": 10, "steps4": 13, "steps5": 19}
+
+
+def paper_tree(task: str) -> TreeSetup:
+    """The paper's SPO-tree, 6-6-6, its two first segments a quarter of ``task``'s mean answer each."""
+    quarter = QUARTER_ANSWER_TOKENS[task]
+    return TreeSetup("6_6_6", (6, 6, 6), (quarter, quarter))
+
+
+#: The paper's SPO-chain: cutpoints every 5th low-probability token ("int5"), each boundary valued by 9
+#: Monte Carlo continuations; 4 chains a prompt.
+PAPER_CHAIN = ChainSetup("int5_mc9", 4, 5, 9)
+
+
 def rollout_config(model_dir: str, setup: TreeSetup | ChainSetup, prompt_length: int, response_length: int):
     """verl's trainer configuration of an SPO-tree or SPO-chain rollout of ``setup`` (what the agent
     loop reads)."""
