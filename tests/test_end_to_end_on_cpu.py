@@ -119,7 +119,7 @@ TURN_CASES = [
     # the multi-turn study's primary baseline. On two Ray nodes whose workers see none of the launcher's
     # variables (verl's FSDP2 over both, a rollout server on each), both ranks' shards checkpointed. Not
     # resumed: the v1 trainer's resume is the study's and the rehearsal's, and loading both ranks' shards
-    # is verl's own checkpoint code; a second start here cost CI about a minute and a half of its 30.
+    # is verl's own checkpoint code; a second start here cost CI about two minutes of its 30.
     TrainerCase("v1-grpo_prob_mask-turns-2nodes", "run_grpo.sh", "grpo_prob_mask",
                 ("actor_rollout_ref.rollout.agent.default_agent_loop=spo_episode", *CHECK),
                 dialogues=True, nodes=2),
