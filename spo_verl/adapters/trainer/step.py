@@ -4,8 +4,8 @@ Around verl's advantage step (:func:`advantage_inputs`) the SPO estimators see t
 after it (:func:`after_advantages`) come the ``spo/*`` metrics, the step's generated tokens, the sample
 log, the credit metrics and the response mask narrowed to the segments the estimator chose to train.
 Each trainer describes its batch once as a :class:`BatchView` (the default trainer from TransferQueue,
-the legacy trainer from its DataProto), records the tokens against its budget and writes the narrowed
-mask back its own way.
+``transfer_queue_batch.py``; the legacy trainer from its DataProto, ``dataproto_batch.py``), records the
+tokens against its budget and writes the narrowed mask back its own way.
 """
 
 from __future__ import annotations
