@@ -32,10 +32,22 @@ def test_every_script_and_module_the_readme_runs_exists():
             assert importlib.util.find_spec(f"{module}.__main__") is not None, module
 
 
+def heading_anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation other than '-' and '_' dropped,
+    spaces made hyphens."""
+    headings = re.findall(r"^#+ (.+)$", page.read_text(), re.M)
+    return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
+
+
 def test_the_docs_link_only_to_files_of_the_repository():
-    link = re.compile(r"\]\(([^)#]+)\)")
+    link = re.compile(r"\]\(([^)#]*)(?:#([^)]*))?\)")
     for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
-        for target in link.findall(page.read_text()):
+        for target, anchor in link.findall(page.read_text()):
             if "://" in target:
                 continue
-            assert (page.parent / target).exists(), f"{page.relative_to(REPO)} links to {target}, which does not exist"
+            linked = page.parent / target if target else page
+            assert linked.exists(), f"{page.relative_to(REPO)} links to {target}, which does not exist"
+            if anchor:
+                assert anchor in heading_anchors(linked), (
+                    f"{page.relative_to(REPO)} links to {target}#{anchor}, a heading {linked.name} does not have"
+                )
