@@ -53,6 +53,8 @@ def test_the_paired_interval_over_prompts():
     assert (result.low, result.high) == (pytest.approx(2.5 - 3.182446 * 0.645497, abs=1e-5),
                                          pytest.approx(2.5 + 3.182446 * 0.645497, abs=1e-5))
     assert result.verdict == "better"
+    # The smallest difference found with 80 % power: (t(0.975, 3) + t(0.8, 3)) se, t(0.8, 3) = 0.978472.
+    assert result.detectable == pytest.approx((3.182446 + 0.978472) * 0.645497, abs=1e-5)
     assert paired_interval([-1.0, 1.0, 0.5]).verdict == "not resolved"
     assert paired_interval([-3.0, -2.0, -2.5]).verdict == "worse"
     assert paired_interval([0.2]).verdict == "not resolved (too few prompts)"
@@ -65,9 +67,9 @@ def test_tokens_to_match_interpolates_in_log_tokens():
 
 
 def test_the_tokens_each_estimator_needs_to_match_grpo_at_its_largest_budget(tmp_path):
-    """From draws.csv through summary.csv to matching.csv: GRPO's mean corrected cosine at 200 tokens is
-    0.4; the tree reaches it halfway between its 100 and 200 tokens in log tokens (sqrt(100 x 200)); the
-    chain never does."""
+    """From a kept draws.csv (``--from-draws``) through summary.csv to matching.csv and the plot: GRPO's
+    mean corrected cosine at 200 tokens is 0.4; the tree reaches it halfway between its 100 and 200 tokens
+    in log tokens (sqrt(100 x 200)); the chain never does."""
     import csv
 
     from spo_workbench.credit import gradients
@@ -84,16 +86,22 @@ def test_the_tokens_each_estimator_needs_to_match_grpo_at_its_largest_budget(tmp
                 for uid, offset in (("a", -0.05), ("b", 0.05)):  # the prompts' mean is the value
                     writer.writerow(["draw", "base", "steps3", "last_blocks", estimator, budget, uid, budget,
                                      value + offset])
-    summary = gradients.write_summary(draws, tmp_path / "summary.csv")
-    matching = gradients.write_matching(summary, tmp_path / "matching.csv")
+    assert gradients.main(["--from-draws", str(draws), "--output-dir", str(tmp_path)]) == 0
+    with open(tmp_path / "summary.csv", newline="") as handle:
+        summary = list(csv.DictReader(handle))
+    tree_at_200 = next(r for r in summary if (r["prompt_set"], r["estimator"], r["budget"]) == ("all", "spo_tree_2_2", "200"))
+    # Both prompts are 0.1 above GRPO's: a difference with no spread, so the smallest detectable one is 0.
+    assert (float(tree_at_200["minus_grpo"]), float(tree_at_200["detectable"])) == (pytest.approx(0.1), pytest.approx(0.0, abs=1e-9))
+    assert (tmp_path / "cosine_vs_tokens.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with open(tmp_path / "matching.csv", newline="") as handle:
+        matching = list(csv.DictReader(handle))
     found = {(r["prompt_set"], r["estimator"]): r for r in matching}
     assert set(found) == {(s, e) for s in ("steps3", "all") for e in ("spo_tree_2_2", "spo_chain")}
     tree, chain = found[("steps3", "spo_tree_2_2")], found[("steps3", "spo_chain")]
-    assert (tree["grpo_budget"], tree["grpo_corrected_cosine"]) == (200, pytest.approx(0.4))
-    assert tree["tokens_to_match"] == pytest.approx(math.sqrt(100 * 200))
+    assert (tree["grpo_budget"], float(tree["grpo_corrected_cosine"])) == ("200", pytest.approx(0.4))
+    assert float(tree["tokens_to_match"]) == pytest.approx(math.sqrt(100 * 200), abs=0.05)
     assert chain["tokens_to_match"] == ""
-    with open(tmp_path / "matching.csv", newline="") as handle:
-        assert [r["tokens_to_match"] for r in csv.DictReader(handle) if r["prompt_set"] == "steps3"] == ["", "141.4"]
+    assert [r["tokens_to_match"] for r in matching if r["prompt_set"] == "steps3"] == ["", "141.4"]
 
 
 class TabularPolicy:

@@ -34,6 +34,14 @@ def t_quantile(p: float, df: int) -> float:
     return (low + high) / 2
 
 
+def detectable_difference(se: float, pairs: int, level: float, power: float = 0.8) -> float:
+    """The smallest true difference a two-sided paired t test at ``level`` finds with ``power``, from its
+    standard error: ``(t_(level) + t_(power)) * se`` with ``pairs - 1`` degrees of freedom (the usual
+    approximation; :func:`paired_t_power` is the exact noncentral-t power)."""
+    df = pairs - 1
+    return (t_quantile(1 - (1 - level) / 2, df) + t_quantile(power, df)) * se
+
+
 def _normal_cdf(x: float) -> float:
     return 0.5 * math.erfc(-x / math.sqrt(2))
 

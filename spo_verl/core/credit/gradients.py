@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spo_verl.core.student_t import t_quantile
+from spo_verl.core.student_t import detectable_difference, t_quantile
 
 
 def leave_one_out_weights(rewards: torch.Tensor) -> torch.Tensor:
@@ -77,6 +77,7 @@ class PairedInterval:
     low: float | None
     high: float | None
     level: float
+    detectable: float | None = None  # the smallest difference found with 80 % power at this level
 
     @property
     def verdict(self) -> str:
@@ -97,7 +98,8 @@ def paired_interval(differences: Sequence[float], level: float = 0.95) -> Paired
         return PairedInterval(len(values), mean, None, None, None, level)
     se = statistics.stdev(values) / math.sqrt(len(values))
     half = t_quantile(1 - (1 - level) / 2, len(values) - 1) * se
-    return PairedInterval(len(values), mean, se, mean - half, mean + half, level)
+    return PairedInterval(len(values), mean, se, mean - half, mean + half, level,
+                          detectable_difference(se, len(values), level))
 
 
 def tokens_to_match(points: Sequence[tuple[float, float]], target: float) -> float | None:

@@ -1,14 +1,17 @@
 """What a person would rather look at than read: the value check's calibration plot, V along one wrong
-response, and an HTML page with one wrong response per task and setup, its tokens coloured by each
-estimator's advantage side by side, the first wrong token marked."""
+response, the gradient measurement's cosine against generated tokens, and an HTML page with one wrong
+response per task and setup, its tokens coloured by each estimator's advantage side by side, the first
+wrong token marked."""
 
 from __future__ import annotations
 
 import html
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
 from spo_verl.core.credit.blame import Response, blame
+from spo_verl.core.credit.gradients import paired_interval
 from spo_workbench.credit.values import ValueRow
 from spo_workbench.report.response_view import advantage_colour
 
@@ -40,6 +43,41 @@ def calibration_plot(rows: Sequence[tuple[str, ValueRow]], path: Path) -> Path:
     axes.set_ylabel(f"estimated value ({', '.join(str(e) for e, _ in samples)} continuations, as SPO-chain)")
     axes.set_title("Monte Carlo values against a reference")
     axes.legend(loc="upper left")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def gradient_plot(prompt_draws: dict[tuple, dict[str, list[tuple[float, float]]]], path: Path) -> Path:
+    """Corrected cosine with the true gradient against generated tokens, one panel a policy (all prompt
+    sets together): each prompt's mean over its draws as a small point, the mean over prompts as a large
+    one with its 95 % Student-t interval over prompts, one colour an estimator, its budgets joined."""
+    plt = _pyplot()
+    policies = sorted({key[0] for key in prompt_draws if key[1] == "all"})
+    figure, panels = plt.subplots(1, max(1, len(policies)), figsize=(6 * max(1, len(policies)), 4.2), squeeze=False)
+    colours = {}
+    for panel, policy in zip(panels[0], policies):
+        keys = sorted(key for key in prompt_draws if key[:2] == (policy, "all"))
+        for estimator in dict.fromkeys(key[3] for key in keys):
+            colour = colours.setdefault(estimator, f"C{len(colours) % 10}")
+            points = []
+            for key in (k for k in keys if k[3] == estimator):
+                prompt_means = [(statistics.fmean(t for t, _ in draws), statistics.fmean(c for _, c in draws))
+                                for draws in prompt_draws[key].values()]
+                panel.plot([t for t, _ in prompt_means], [c for _, c in prompt_means], ".", color=colour, alpha=0.35)
+                interval = paired_interval([c for _, c in prompt_means])
+                points.append((statistics.fmean(t for t, _ in prompt_means), interval))
+            points.sort(key=lambda point: point[0])
+            panel.plot([t for t, _ in points], [i.mean for _, i in points], "o-", color=colour, label=estimator)
+            for tokens, interval in points:
+                if interval.low is not None:
+                    panel.plot([tokens, tokens], [interval.low, interval.high], color=colour, linewidth=1.5)
+        panel.set_xscale("log")
+        panel.set_xlabel("generated tokens a draw (log)")
+        panel.set_ylabel("cosine with the true gradient (corrected)")
+        panel.set_title(f"{policy} policy: small points one prompt each, large the mean over prompts", fontsize=9)
+        panel.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)

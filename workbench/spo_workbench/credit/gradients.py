@@ -4,6 +4,7 @@ expected reward, paired on one policy and one set of prompts (docs/STUDY.md decl
     python -m spo_workbench.credit.gradients [--tasks steps3,steps4] [--prompts 8] [--policy base|NAME=MODEL_DIR]
         [--budgets 1500,3000,6000] [--draws 12] [--reference-samples 256] [--parameters last_blocks|all]
         [--estimators NAMES] [--output-dir outputs/gradients] [--quick]
+    python -m spo_workbench.credit.gradients --from-draws DRAWS_CSV --output-dir DIR
 
 For every task and policy: the prompts are chosen by the declared rule (candidates outside the task's
 training, held-out and tuning problems, each screened with ``--screen-samples`` samples, kept at 2 to 14
@@ -14,8 +15,11 @@ estimator at every budget it fits, each one row of ``draws.csv`` with its cosine
 that cosine corrected by the halves' agreement (``spo_verl.core.credit.gradients``). Started again with
 the same arguments it reuses the prompts, references and costs it kept, and skips every draw already in
 ``draws.csv``. ``summary.csv``: each estimator's mean corrected cosine a budget, and against GRPO paired
-over prompts (mean, standard error, 95 % interval). ``matching.csv``: the generated tokens each estimator
-needs to reach GRPO's mean corrected cosine at GRPO's largest budget.
+over prompts (mean, standard error, 95 % interval, the smallest difference found with 80 % power).
+``matching.csv``: the generated tokens each estimator needs to reach GRPO's mean corrected cosine at
+GRPO's largest budget. ``cosine_vs_tokens.png``: each estimator's corrected cosine against generated
+tokens, each prompt's mean and the mean over prompts. ``--from-draws`` writes these three from a kept
+``draws.csv`` without measuring anything.
 
 ``--quick``: the cpu-tiny setting, 2 prompts, 2 small budgets, 2 draws, references of 2 x 16: the whole
 pipeline in about a minute.
@@ -305,11 +309,11 @@ def _append(path: Path, row: dict, columns: list[str]) -> None:
         writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()})
 
 
-def summary_rows(draws_csv: Path, reference: str = "grpo") -> list[dict]:
-    """Per (policy, prompt set, parameters, estimator, budget): the prompts, the mean tokens and corrected
-    cosine (each prompt's draws averaged first), and the paired difference from ``reference`` over the
-    prompts both have (95 % interval); prompt sets together as ``all``."""
-    per_prompt: dict[tuple, list[tuple[float, float]]] = {}
+def prompt_draws(draws_csv: Path) -> dict[tuple, dict[str, list[tuple[float, float]]]]:
+    """(policy, prompt set, parameters, estimator, budget) -> prompt -> its draws' (tokens, corrected
+    cosine), each draw under its own prompt set and under ``all``; draws without a corrected cosine (the
+    prompt's halves did not agree) left out."""
+    per_prompt: dict[tuple, dict[str, list[tuple[float, float]]]] = {}
     for row in _read(draws_csv):
         if row["kind"] != "draw" or not row["corrected_cosine"] or math.isnan(float(row["corrected_cosine"])):
             continue
@@ -317,6 +321,14 @@ def summary_rows(draws_csv: Path, reference: str = "grpo") -> list[dict]:
             key = (row["policy"], prompt_set, row["parameters"], row["estimator"], int(row["budget"]))
             per_prompt.setdefault(key, {}).setdefault(f"{row['prompt_set']}/{row['prompt_uid']}", []).append(
                 (float(row["tokens"]), float(row["corrected_cosine"])))
+    return per_prompt
+
+
+def summary_rows(draws_csv: Path, reference: str = "grpo") -> list[dict]:
+    """Per (policy, prompt set, parameters, estimator, budget): the prompts, the mean tokens and corrected
+    cosine (each prompt's draws averaged first), and the paired difference from ``reference`` over the
+    prompts both have (95 % interval); prompt sets together as ``all``."""
+    per_prompt = prompt_draws(draws_csv)
     out = []
     for key, prompts in sorted(per_prompt.items()):
         means = {uid: statistics.fmean(c for _, c in draws) for uid, draws in prompts.items()}
@@ -330,7 +342,7 @@ def summary_rows(draws_csv: Path, reference: str = "grpo") -> list[dict]:
             if shared:
                 interval = paired_interval([means[u] - base_means[u] for u in shared])
                 row.update({f"minus_{reference}": interval.mean, "se": interval.se, "low": interval.low,
-                            "high": interval.high, "verdict": interval.verdict})
+                            "high": interval.high, "detectable": interval.detectable, "verdict": interval.verdict})
         out.append(row)
     return out
 
@@ -379,7 +391,7 @@ def write_matching(summary: list[dict], path: Path) -> list[dict]:
 def write_summary(draws_csv: Path, path: Path) -> list[dict]:
     rows = summary_rows(draws_csv)
     columns = ["policy", "prompt_set", "parameters", "estimator", "budget", "prompts", "tokens", "corrected_cosine",
-               "minus_grpo", "se", "low", "high", "verdict"]
+               "minus_grpo", "se", "low", "high", "detectable", "verdict"]
     return _write_table(path, columns, rows)
 
 
@@ -509,10 +521,16 @@ def main(argv=None) -> int:
     parser.add_argument("--estimators", default=None, help="a subset of the declared estimators (default: all)")
     parser.add_argument("--output-dir", type=Path, default=Path("outputs/gradients"))
     parser.add_argument("--quick", action="store_true", help="cpu-tiny, 2 prompts, 2 budgets, 2 draws")
+    parser.add_argument("--from-draws", type=Path, metavar="CSV",
+                        help="measure nothing: write summary.csv, matching.csv and the plot from this draws.csv")
     parser.add_argument("--time-one-draw", type=Path, metavar="CSV",
                         help="compute no cosine: time one screening, one reference half and one draw of each estimator "
                              "on each task's first candidate, one row a phase in CSV")
     args = parser.parse_args(argv)
+    if args.from_draws is not None:
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+        summarise(args.from_draws, args.output_dir)
+        return 0
     if args.quick:
         plans = [quick_plan(args.parameters)]
     else:
@@ -540,15 +558,24 @@ def main(argv=None) -> int:
     args.output_dir.mkdir(parents=True, exist_ok=True)
     for plan, prompt_set in plans:
         asyncio.run(measure(plan, prompt_set, args.output_dir))
-    summary = write_summary(args.output_dir / "draws.csv", args.output_dir / "summary.csv")
-    write_matching(summary, args.output_dir / "matching.csv")
+    summarise(args.output_dir / "draws.csv", args.output_dir)
+    return 0
+
+
+def summarise(draws_csv: Path, output_dir: Path) -> list[dict]:
+    """summary.csv, matching.csv and the plot of corrected cosine against tokens, from ``draws_csv`` alone."""
+    from spo_workbench.credit.figures import gradient_plot
+
+    summary = write_summary(draws_csv, output_dir / "summary.csv")
+    write_matching(summary, output_dir / "matching.csv")
+    gradient_plot(prompt_draws(draws_csv), output_dir / "cosine_vs_tokens.png")
     for row in summary:
         if row["prompt_set"] == "all":
             extra = f"  minus grpo {row['minus_grpo']:+.3f} [{row['low']:+.3f}, {row['high']:+.3f}]" if row.get("low") is not None else ""
             print(f"gradients: {row['policy']} {row['estimator']:<24} {row['budget']:>6} tokens {row['tokens']:>7.0f} "
                   f"corrected cosine {row['corrected_cosine']:.3f}{extra}")
-    print(f"gradients: draws.csv, summary.csv, matching.csv in {args.output_dir}")
-    return 0
+    print(f"gradients: summary.csv, matching.csv, cosine_vs_tokens.png in {output_dir}")
+    return summary
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from spo_verl.core.student_t import t_quantile
+from spo_verl.core.student_t import detectable_difference, t_quantile
 from spo_verl.tools.metrics_log import read_logged_steps
 from spo_workbench.standard_error import mean_and_se
 
@@ -103,7 +103,7 @@ def paired(at: dict[tuple[str, int], float | None], algorithm: str, reference: s
     if se is None:
         return Paired(algorithm, reference, tuple(seeds), differences, mean, None, None, None, None, level)
     t = t_quantile(1 - (1 - level) / 2, n - 1)
-    detectable = (t + t_quantile(0.8, n - 1)) * se
+    detectable = detectable_difference(se, n, level)
     return Paired(algorithm, reference, tuple(seeds), differences, mean, se, mean - t * se, mean + t * se, detectable, level)
 
 
