@@ -74,8 +74,8 @@ def test_the_tokens_each_estimator_needs_to_match_grpo_at_its_largest_budget(tmp
 
     from spo_workbench.credit import gradients
 
-    columns = ["kind", "policy", "prompt_set", "parameters", "estimator", "budget", "prompt_uid", "tokens",
-               "corrected_cosine"]
+    columns = ["kind", "policy", "prompt_set", "parameters", "estimator", "budget", "draw", "prompt_uid", "tokens",
+               "corrected_cosine", "sample_seconds", "gradient_seconds"]
     cosines = {"grpo": (0.2, 0.4), "spo_tree_2_2": (0.3, 0.5), "spo_chain": (0.1, 0.2)}
     draws = tmp_path / "draws.csv"
     with open(draws, "w", newline="") as handle:
@@ -84,8 +84,8 @@ def test_the_tokens_each_estimator_needs_to_match_grpo_at_its_largest_budget(tmp
         for estimator, (low, high) in cosines.items():
             for budget, value in ((100, low), (200, high)):
                 for uid, offset in (("a", -0.05), ("b", 0.05)):  # the prompts' mean is the value
-                    writer.writerow(["draw", "base", "steps3", "last_blocks", estimator, budget, uid, budget,
-                                     value + offset])
+                    writer.writerow(["draw", "base", "steps3", "last_blocks", estimator, budget, 0, uid, budget,
+                                     value + offset, 1.0, 1.0])
     assert gradients.main(["--from-draws", str(draws), "--output-dir", str(tmp_path)]) == 0
     with open(tmp_path / "summary.csv", newline="") as handle:
         summary = list(csv.DictReader(handle))
@@ -102,6 +102,29 @@ def test_the_tokens_each_estimator_needs_to_match_grpo_at_its_largest_budget(tmp
     assert float(tree["tokens_to_match"]) == pytest.approx(math.sqrt(100 * 200), abs=0.05)
     assert chain["tokens_to_match"] == ""
     assert [r["tokens_to_match"] for r in matching if r["prompt_set"] == "steps3"] == ["", "141.4"]
+
+
+def test_the_recorded_machine_time_counts_a_shared_rollout_once(tmp_path):
+    """A reference (10 s sampling, 20 s gradients), one rollout shared by two estimators (5 s, its time on
+    both rows; gradients 1 s and 2 s), and another estimator's own rollout (7 s, gradient 3 s)."""
+    import csv
+
+    from spo_workbench.credit import gradients
+
+    columns = ["kind", "policy", "prompt_set", "prompt_uid", "estimator", "budget", "draw", "tokens",
+               "sample_seconds", "gradient_seconds"]
+    rows = [["reference", "base", "steps3", "c1", "reference", "", "", "512", "10", "20"],
+            ["draw", "base", "steps3", "c1", "grpo", "6000", "0", "6100", "5", "1"],
+            ["draw", "base", "steps3", "c1", "grpo_prob_mask", "6000", "0", "6100", "5", "2"],
+            ["draw", "base", "steps3", "c1", "spo_tree_6_6_6", "6000", "0", "5200", "7", "3"]]
+    draws = tmp_path / "draws.csv"
+    with open(draws, "w", newline="") as handle:
+        csv.writer(handle).writerows([columns, *rows])
+    cost = {row["prompt_set"]: row for row in gradients.cost_rows(draws)}
+    assert set(cost) == {"steps3", "all"}
+    assert {k: cost["all"][k] for k in ("reference_seconds", "draw_sample_seconds", "draw_gradient_seconds")} == {
+        "reference_seconds": 30.0, "draw_sample_seconds": 12.0, "draw_gradient_seconds": 6.0}
+    assert cost["steps3"]["machine_hours"] == pytest.approx(48 / 3600)
 
 
 class TabularPolicy:
@@ -310,7 +333,11 @@ async def test_the_quick_measurement_writes_every_draw_and_resumes(llm_client, c
     with open(output / "draws.csv", newline="") as handle:
         assert list(csv.DictReader(handle)) == rows
     assert calls == []
-    summary = gradients.write_summary(output / "draws.csv", output / "summary.csv")
+    summary = gradients.summarise(output / "draws.csv", output)  # what --from-draws writes
+    assert (output / "cosine_vs_tokens.png").read_bytes()[:4] == b"\x89PNG"
+    with open(output / "cost.csv", newline="") as handle:
+        recorded = {r["prompt_set"]: float(r["machine_hours"]) for r in csv.DictReader(handle)}
+    assert recorded["all"] == pytest.approx(recorded[prompt_set.name]) and recorded["all"] > 0
     # Each (estimator, budget) is summarised over exactly the prompts with a corrected cosine: on the untrained
     # tiny model a prompt's halves may disagree (rho <= 0), and its draws then stay out of the summary.
     corrected: dict[tuple[str, int], set[str]] = {}

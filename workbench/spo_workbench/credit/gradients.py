@@ -17,9 +17,9 @@ the same arguments it reuses the prompts, references and costs it kept, and skip
 ``draws.csv``. ``summary.csv``: each estimator's mean corrected cosine a budget, and against GRPO paired
 over prompts (mean, standard error, 95 % interval, the smallest difference found with 80 % power).
 ``matching.csv``: the generated tokens each estimator needs to reach GRPO's mean corrected cosine at
-GRPO's largest budget. ``cosine_vs_tokens.png``: each estimator's corrected cosine against generated
-tokens, each prompt's mean and the mean over prompts. ``--from-draws`` writes these three from a kept
-``draws.csv`` without measuring anything.
+GRPO's largest budget. ``cost.csv``: the machine hours recorded. ``cosine_vs_tokens.png``: each
+estimator's corrected cosine against generated tokens, each prompt's mean and the mean over prompts.
+``--from-draws`` writes these four from a kept ``draws.csv`` without measuring anything.
 
 ``--quick``: the cpu-tiny setting, 2 prompts, 2 small budgets, 2 draws, references of 2 x 16: the whole
 pipeline in about a minute.
@@ -371,6 +371,30 @@ def matching_rows(summary: list[dict], reference: str = "grpo") -> list[dict]:
     return out
 
 
+def cost_rows(draws_csv: Path) -> list[dict]:
+    """The machine time recorded in ``draws_csv``, per policy and prompt set and in all: the references'
+    sampling and gradients, the draws' sampling (rows computed on one rollout carry its time alike, so
+    each rollout counts once) and the draws' gradients. The screening, the cost pass and start-up are not
+    recorded there."""
+    totals: dict[tuple[str, str], dict[str, float]] = {}
+    rollouts = set()
+    for row in _read(draws_csv):
+        for prompt_set in (row["prompt_set"], "all"):
+            total = totals.setdefault((row["policy"], prompt_set), dict.fromkeys(
+                ("reference_seconds", "draw_sample_seconds", "draw_gradient_seconds"), 0.0))
+            if row["kind"] == "reference":
+                total["reference_seconds"] += float(row["sample_seconds"]) + float(row["gradient_seconds"])
+                continue
+            rollout = (row["policy"], prompt_set, row["prompt_uid"], row["budget"], row["draw"], row["tokens"],
+                       row["sample_seconds"])
+            if rollout not in rollouts:
+                rollouts.add(rollout)
+                total["draw_sample_seconds"] += float(row["sample_seconds"])
+            total["draw_gradient_seconds"] += float(row["gradient_seconds"])
+    return [{"policy": policy, "prompt_set": prompt_set, **total, "machine_hours": sum(total.values()) / 3600}
+            for (policy, prompt_set), total in sorted(totals.items())]
+
+
 def _write_table(path: Path, columns: list[str], rows: list[dict]) -> list[dict]:
     """``rows`` as a CSV table at ``path``, floats to 4 significant digits; returns ``rows``."""
     with open(path, "w", newline="") as handle:
@@ -522,7 +546,7 @@ def main(argv=None) -> int:
     parser.add_argument("--output-dir", type=Path, default=Path("outputs/gradients"))
     parser.add_argument("--quick", action="store_true", help="cpu-tiny, 2 prompts, 2 budgets, 2 draws")
     parser.add_argument("--from-draws", type=Path, metavar="CSV",
-                        help="measure nothing: write summary.csv, matching.csv and the plot from this draws.csv")
+                        help="measure nothing: write summary.csv, matching.csv, cost.csv and the plot from this draws.csv")
     parser.add_argument("--time-one-draw", type=Path, metavar="CSV",
                         help="compute no cosine: time one screening, one reference half and one draw of each estimator "
                              "on each task's first candidate, one row a phase in CSV")
@@ -563,18 +587,21 @@ def main(argv=None) -> int:
 
 
 def summarise(draws_csv: Path, output_dir: Path) -> list[dict]:
-    """summary.csv, matching.csv and the plot of corrected cosine against tokens, from ``draws_csv`` alone."""
+    """summary.csv, matching.csv, cost.csv and the plot of corrected cosine against tokens, from
+    ``draws_csv`` alone."""
     from spo_workbench.credit.figures import gradient_plot
 
     summary = write_summary(draws_csv, output_dir / "summary.csv")
     write_matching(summary, output_dir / "matching.csv")
+    _write_table(output_dir / "cost.csv", ["policy", "prompt_set", "reference_seconds", "draw_sample_seconds",
+                                           "draw_gradient_seconds", "machine_hours"], cost_rows(draws_csv))
     gradient_plot(prompt_draws(draws_csv), output_dir / "cosine_vs_tokens.png")
     for row in summary:
         if row["prompt_set"] == "all":
             extra = f"  minus grpo {row['minus_grpo']:+.3f} [{row['low']:+.3f}, {row['high']:+.3f}]" if row.get("low") is not None else ""
             print(f"gradients: {row['policy']} {row['estimator']:<24} {row['budget']:>6} tokens {row['tokens']:>7.0f} "
                   f"corrected cosine {row['corrected_cosine']:.3f}{extra}")
-    print(f"gradients: summary.csv, matching.csv, cosine_vs_tokens.png in {output_dir}")
+    print(f"gradients: summary.csv, matching.csv, cost.csv, cosine_vs_tokens.png in {output_dir}")
     return summary
 
 
