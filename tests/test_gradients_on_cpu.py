@@ -18,8 +18,9 @@ import statistics
 import pytest
 import torch
 
-from spo_verl.core.credit.gradients import (corrected_cosine, cosine, halves_reliability, leave_one_out_weights,
-                                            paired_interval, reference_gradient, reference_objective, tokens_to_match)
+from spo_verl.core.credit.gradients import (corrected_cosine, cosine, draw_alignment, halves_reliability,
+                                            leave_one_out_weights, paired_interval, reference_gradient,
+                                            reference_objective, tokens_to_match)
 
 
 def test_leave_one_out_weights_subtract_the_mean_of_the_other_rewards():
@@ -46,6 +47,12 @@ def test_cosine_and_the_halves_correction_on_hand_built_vectors():
     assert math.isnan(cosine(torch.zeros(3), torch.ones(3)))
 
 
+def test_a_zero_update_counts_0_and_a_prompt_without_a_reference_direction_counts_nothing():
+    assert draw_alignment(0.5, 1 / 3) == pytest.approx(0.5 / math.sqrt(0.5))  # corrected, as declared
+    assert draw_alignment(math.nan, 0.5) == 0.0  # every reward agreed: no update, no progress
+    assert draw_alignment(0.5, 0.0) is None and draw_alignment(math.nan, -0.2) is None
+
+
 def test_the_paired_interval_over_prompts():
     result = paired_interval([1.0, 2.0, 3.0, 4.0])
     # mean 2.5, sd sqrt(5/3), se sd / 2, t(0.975, 3) = 3.182446
@@ -69,13 +76,13 @@ def test_tokens_to_match_interpolates_in_log_tokens():
 def test_the_tokens_each_estimator_needs_to_match_grpo_at_its_largest_budget(tmp_path):
     """From a kept draws.csv (``--from-draws``) through summary.csv to matching.csv and the plot: GRPO's
     mean corrected cosine at 200 tokens is 0.4; the tree reaches it halfway between its 100 and 200 tokens
-    in log tokens (sqrt(100 x 200)); the chain never does."""
+    in log tokens (sqrt(100 x 200)); the chain never does, and one of its draws is a zero update."""
     import csv
 
     from spo_workbench.credit import gradients
 
     columns = ["kind", "policy", "prompt_set", "parameters", "estimator", "budget", "draw", "prompt_uid", "tokens",
-               "corrected_cosine", "sample_seconds", "gradient_seconds"]
+               "cosine", "halves_cosine", "corrected_cosine", "sample_seconds", "gradient_seconds"]
     cosines = {"grpo": (0.2, 0.4), "spo_tree_2_2": (0.3, 0.5), "spo_chain": (0.1, 0.2)}
     draws = tmp_path / "draws.csv"
     with open(draws, "w", newline="") as handle:
@@ -84,14 +91,21 @@ def test_the_tokens_each_estimator_needs_to_match_grpo_at_its_largest_budget(tmp
         for estimator, (low, high) in cosines.items():
             for budget, value in ((100, low), (200, high)):
                 for uid, offset in (("a", -0.05), ("b", 0.05)):  # the prompts' mean is the value
+                    # halves that agree perfectly: the corrected cosine is the cosine
                     writer.writerow(["draw", "base", "steps3", "last_blocks", estimator, budget, 0, uid, budget,
-                                     value + offset, 1.0, 1.0])
+                                     value + offset, 1.0, value + offset, 1.0, 1.0])
+        # A second draw of the chain on prompt a whose update is zero (every reward agreed: no cosine).
+        writer.writerow(["draw", "base", "steps3", "last_blocks", "spo_chain", 100, 1, "a", 100, "nan", 1.0, "nan", 1.0, 1.0])
     assert gradients.main(["--from-draws", str(draws), "--output-dir", str(tmp_path)]) == 0
     with open(tmp_path / "summary.csv", newline="") as handle:
         summary = list(csv.DictReader(handle))
     tree_at_200 = next(r for r in summary if (r["prompt_set"], r["estimator"], r["budget"]) == ("all", "spo_tree_2_2", "200"))
     # Both prompts are 0.1 above GRPO's: a difference with no spread, so the smallest detectable one is 0.
     assert (float(tree_at_200["minus_grpo"]), float(tree_at_200["detectable"])) == (pytest.approx(0.1), pytest.approx(0.0, abs=1e-9))
+    chain_at_100 = next(r for r in summary if (r["prompt_set"], r["estimator"], r["budget"]) == ("all", "spo_chain", "100"))
+    # Prompt a's draws (0.05 and the zero update, 0) average 0.025; prompt b's is 0.15; the mean 0.0875.
+    assert (chain_at_100["draws"], chain_at_100["zero_updates"]) == ("3", "1")
+    assert float(chain_at_100["corrected_cosine"]) == pytest.approx(0.0875)
     assert (tmp_path / "cosine_vs_tokens.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with open(tmp_path / "matching.csv", newline="") as handle:
         matching = list(csv.DictReader(handle))
@@ -338,14 +352,17 @@ async def test_the_quick_measurement_writes_every_draw_and_resumes(llm_client, c
     with open(output / "cost.csv", newline="") as handle:
         recorded = {r["prompt_set"]: float(r["machine_hours"]) for r in csv.DictReader(handle)}
     assert recorded["all"] == pytest.approx(recorded[prompt_set.name]) and recorded["all"] > 0
-    # Each (estimator, budget) is summarised over exactly the prompts with a corrected cosine: on the untrained
-    # tiny model a prompt's halves may disagree (rho <= 0), and its draws then stay out of the summary.
-    corrected: dict[tuple[str, int], set[str]] = {}
+    # Each (estimator, budget) is summarised over exactly the prompts whose halves agree: on the untrained
+    # tiny model a prompt's halves may disagree (rho <= 0), and its draws then stay out of the summary. A
+    # draw whose update is zero (no cosine) stays in, counted 0.
+    measured: dict[tuple[str, int], set[str]] = {}
+    zero: dict[tuple[str, int], int] = {}
     for r in draws:
-        if r["corrected_cosine"] and not math.isnan(float(r["corrected_cosine"])):
-            corrected.setdefault((r["estimator"], int(r["budget"])), set()).add(r["prompt_uid"])
-    summarised = {(r["estimator"], r["budget"]): r["prompts"] for r in summary if r["prompt_set"] == "all"}
-    assert summarised == {key: len(uids) for key, uids in corrected.items()}
+        if float(r["halves_cosine"]) > 0:
+            measured.setdefault((r["estimator"], int(r["budget"])), set()).add(r["prompt_uid"])
+            zero[(r["estimator"], int(r["budget"]))] = zero.get((r["estimator"], int(r["budget"])), 0) + math.isnan(float(r["cosine"]))
+    summarised = {(r["estimator"], r["budget"]): (r["prompts"], r["zero_updates"]) for r in summary if r["prompt_set"] == "all"}
+    assert summarised == {key: (len(uids), zero[key]) for key, uids in measured.items()}
     assert set(summarised) <= {(e, int(b)) for e, b, *_ in expected}
     # --time-one-draw: the phases timed on the first candidate, no cosine anywhere.
     import dataclasses

@@ -69,6 +69,18 @@ def corrected_cosine(cosine_with_reference: float, halves_cosine: float) -> floa
     return cosine_with_reference / math.sqrt(halves_reliability(halves_cosine))
 
 
+def draw_alignment(cosine_with_reference: float, halves_cosine: float) -> float | None:
+    """What one draw contributes to an estimator's mean: its corrected cosine; 0 for a draw whose update
+    is zero (every unit's rewards agreed, so the cosine is undefined: the update moves the policy in no
+    direction, the true gradient's included, and its tokens bought nothing); None where the prompt's
+    halves do not agree (no reference direction to measure against)."""
+    if not halves_cosine > 0:
+        return None
+    if math.isnan(cosine_with_reference):
+        return 0.0
+    return corrected_cosine(cosine_with_reference, halves_cosine)
+
+
 @dataclass(frozen=True)
 class PairedInterval:
     n: int

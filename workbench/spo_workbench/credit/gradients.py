@@ -14,8 +14,8 @@ every estimator a prompt and fixes the units of a draw at each budget; then ``--
 estimator at every budget it fits, each one row of ``draws.csv`` with its cosine with the reference and
 that cosine corrected by the halves' agreement (``spo_verl.core.credit.gradients``). Started again with
 the same arguments it reuses the prompts, references and costs it kept, and skips every draw already in
-``draws.csv``. ``summary.csv``: each estimator's mean corrected cosine a budget, and against GRPO paired
-over prompts (mean, standard error, 95 % interval, the smallest difference found with 80 % power).
+``draws.csv``. ``summary.csv``: each estimator's mean corrected cosine a budget (a draw whose update is
+zero counts 0, and their number is a column), and against GRPO paired over prompts (mean, standard error, 95 % interval, the smallest difference found with 80 % power).
 ``matching.csv``: the generated tokens each estimator needs to reach GRPO's mean corrected cosine at
 GRPO's largest budget. ``cost.csv``: the machine hours recorded. ``cosine_vs_tokens.png``: each
 estimator's corrected cosine against generated tokens, each prompt's mean and the mean over prompts.
@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import csv
-import math
 import os
 import statistics
 import time
@@ -39,7 +38,8 @@ from pathlib import Path
 
 import torch
 
-from spo_verl.core.credit.gradients import corrected_cosine, cosine, paired_interval, tokens_to_match
+from spo_verl.core.credit.gradients import (corrected_cosine, cosine, draw_alignment, paired_interval,
+                                            tokens_to_match)
 from spo_workbench.credit.gradient_draws import Estimator, GroupSetup
 from spo_workbench.credit.rollouts import PAPER_CHAIN, ChainSetup, TreeSetup, gsm8k_score, paper_tree
 
@@ -310,30 +310,36 @@ def _append(path: Path, row: dict, columns: list[str]) -> None:
 
 
 def prompt_draws(draws_csv: Path) -> dict[tuple, dict[str, list[tuple[float, float]]]]:
-    """(policy, prompt set, parameters, estimator, budget) -> prompt -> its draws' (tokens, corrected
-    cosine), each draw under its own prompt set and under ``all``; draws without a corrected cosine (the
-    prompt's halves did not agree) left out."""
+    """(policy, prompt set, parameters, estimator, budget) -> prompt -> its draws' (tokens, alignment),
+    each draw under its own prompt set and under ``all``. The alignment is ``draw_alignment``'s: the
+    corrected cosine, 0 for a zero update; draws of a prompt whose halves did not agree are left out."""
     per_prompt: dict[tuple, dict[str, list[tuple[float, float]]]] = {}
     for row in _read(draws_csv):
-        if row["kind"] != "draw" or not row["corrected_cosine"] or math.isnan(float(row["corrected_cosine"])):
+        if row["kind"] != "draw":
+            continue
+        alignment = draw_alignment(float(row["cosine"] or "nan"), float(row["halves_cosine"] or "nan"))
+        if alignment is None:
             continue
         for prompt_set in (row["prompt_set"], "all"):
             key = (row["policy"], prompt_set, row["parameters"], row["estimator"], int(row["budget"]))
             per_prompt.setdefault(key, {}).setdefault(f"{row['prompt_set']}/{row['prompt_uid']}", []).append(
-                (float(row["tokens"]), float(row["corrected_cosine"])))
+                (float(row["tokens"]), alignment))
     return per_prompt
 
 
 def summary_rows(draws_csv: Path, reference: str = "grpo") -> list[dict]:
-    """Per (policy, prompt set, parameters, estimator, budget): the prompts, the mean tokens and corrected
-    cosine (each prompt's draws averaged first), and the paired difference from ``reference`` over the
-    prompts both have (95 % interval); prompt sets together as ``all``."""
+    """Per (policy, prompt set, parameters, estimator, budget): the prompts and draws, the zero updates
+    among them, the mean tokens and corrected cosine (a zero update counting 0; each prompt's draws
+    averaged first), and the paired difference from ``reference`` over the prompts both have (95 %
+    interval); prompt sets together as ``all``."""
     per_prompt = prompt_draws(draws_csv)
     out = []
     for key, prompts in sorted(per_prompt.items()):
         means = {uid: statistics.fmean(c for _, c in draws) for uid, draws in prompts.items()}
         row = {"policy": key[0], "prompt_set": key[1], "parameters": key[2], "estimator": key[3], "budget": key[4],
-               "prompts": len(means), "tokens": statistics.fmean(t for draws in prompts.values() for t, _ in draws),
+               "prompts": len(means), "draws": sum(len(draws) for draws in prompts.values()),
+               "zero_updates": sum(c == 0.0 for draws in prompts.values() for _, c in draws),
+               "tokens": statistics.fmean(t for draws in prompts.values() for t, _ in draws),
                "corrected_cosine": statistics.fmean(means.values())}
         base = per_prompt.get((*key[:3], reference, key[4]))
         if base is not None and key[3] != reference:
@@ -414,7 +420,8 @@ def write_matching(summary: list[dict], path: Path) -> list[dict]:
 
 def write_summary(draws_csv: Path, path: Path) -> list[dict]:
     rows = summary_rows(draws_csv)
-    columns = ["policy", "prompt_set", "parameters", "estimator", "budget", "prompts", "tokens", "corrected_cosine",
+    columns = ["policy", "prompt_set", "parameters", "estimator", "budget", "prompts", "draws", "zero_updates",
+               "tokens", "corrected_cosine",
                "minus_grpo", "se", "low", "high", "detectable", "verdict"]
     return _write_table(path, columns, rows)
 
