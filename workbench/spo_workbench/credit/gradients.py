@@ -15,9 +15,9 @@ estimator at every budget it fits, each one row of ``draws.csv`` with its cosine
 that cosine corrected by the halves' agreement (``spo_verl.core.credit.gradients``). Started again with
 the same arguments it reuses the prompts, references and costs it kept, and skips every draw already in
 ``draws.csv``. ``summary.csv``: each estimator's mean corrected cosine a budget (a draw whose update is
-zero counts 0, and their number is a column), and against GRPO paired over prompts (mean, standard error, 95 % interval, the smallest difference found with 80 % power).
-``matching.csv``: the generated tokens each estimator needs to reach GRPO's mean corrected cosine at
-GRPO's largest budget. ``cost.csv``: the machine hours recorded. ``cosine_vs_tokens.png``: each
+zero counts 0, and their number is a column), and against GRPO paired over prompts (mean, standard
+error, 95 % interval, the smallest difference found with 80 % power). ``matching.csv``: the generated
+tokens each estimator needs to reach GRPO's mean corrected cosine at GRPO's largest budget. ``cost.csv``: the machine hours recorded. ``cosine_vs_tokens.png``: each
 estimator's corrected cosine against generated tokens, each prompt's mean and the mean over prompts.
 ``--from-draws`` writes these four from a kept ``draws.csv`` without measuring anything.
 
