@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from spo_verl.core.credit.gradients import (corrected_cosine, cosine, draw_alignment, halves_reliability,
-                                            leave_one_out_weights, paired_interval, reference_gradient,
-                                            reference_objective, tokens_to_match)
+                                            leave_one_out_weights, reference_gradient, reference_objective,
+                                            tokens_to_match)
+from spo_verl.core.student_t import paired_interval
 
 
 def test_leave_one_out_weights_subtract_the_mean_of_the_other_rewards():
@@ -64,7 +65,8 @@ def test_the_paired_interval_over_prompts():
     assert result.detectable == pytest.approx((3.182446 + 0.978472) * 0.645497, abs=1e-5)
     assert paired_interval([-1.0, 1.0, 0.5]).verdict == "not resolved"
     assert paired_interval([-3.0, -2.0, -2.5]).verdict == "worse"
-    assert paired_interval([0.2]).verdict == "not resolved (too few prompts)"
+    assert paired_interval([0.2], unit="prompts").verdict == "not resolved (too few prompts)"
+    assert (paired_interval([]).n, paired_interval([]).mean, paired_interval([0.2]).mean) == (0, None, 0.2)
 
 
 def test_tokens_to_match_interpolates_in_log_tokens():

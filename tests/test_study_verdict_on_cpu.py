@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from spo_workbench.study.verdict import Arm, arms, at_budget, main, paired, t_quantile, validations
+from spo_verl.core.student_t import t_quantile
+from spo_workbench.study.verdict import Arm, arms, at_budget, main, paired, validations
 
 
 def test_accuracy_at_the_budget_is_interpolated_between_the_validations_around_it():

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 
 def _t_pdf(x: float, df: int) -> float:
@@ -77,3 +79,37 @@ def pairs_needed(difference: float, sd: float, level: float = 0.975, power: floa
     while pairs > 2 and paired_t_power(pairs - 1, difference, sd, level) >= power:
         pairs -= 1
     return pairs
+
+
+@dataclass(frozen=True)
+class PairedInterval:
+    """The mean of paired differences (``n`` of them, one a ``unit``: a prompt, a seed), its standard
+    error, a two-sided Student-t interval at ``level`` and the smallest difference found with 80 % power
+    at that level; below two pairs only the mean (None with none)."""
+    n: int
+    mean: float | None
+    se: float | None
+    low: float | None
+    high: float | None
+    detectable: float | None
+    level: float
+    unit: str = "pairs"
+
+    @property
+    def verdict(self) -> str:
+        """The declared reading: better (interval above 0), worse (below), or not resolved."""
+        if self.low is None:
+            return f"not resolved (too few {self.unit})"
+        return "better" if self.low > 0 else "worse" if self.high < 0 else "not resolved"
+
+
+def paired_interval(differences: Sequence[float], level: float = 0.95, unit: str = "pairs") -> PairedInterval:
+    values = [float(d) for d in differences]
+    if len(values) < 2:
+        mean = values[0] if values else None
+        return PairedInterval(len(values), mean, None, None, None, None, level, unit)
+    mean = statistics.fmean(values)
+    se = statistics.stdev(values) / math.sqrt(len(values))
+    half = t_quantile(1 - (1 - level) / 2, len(values) - 1) * se
+    return PairedInterval(len(values), mean, se, mean - half, mean + half,
+                          detectable_difference(se, len(values), level), level, unit)

@@ -7,8 +7,8 @@ how close one estimator's update is to the true gradient of expected reward, aft
   is the scalar whose gradient is that estimate, so a model needs one backward pass, not one a response.
 * The cosine of two flat gradients, and its correction for the reference's own noise from the agreement
   of two independent halves (:func:`corrected_cosine`; the derivation is in STUDY.md).
-* The paired interval over prompts that the test reports, and the tokens an estimator needs to match a
-  target cosine.
+* The tokens an estimator needs to match a target cosine (the paired interval over prompts that the
+  test reports is :func:`spo_verl.core.student_t.paired_interval`, shared with the studies).
 
 Plain tensors and floats only: no framework, so the exact tests can check it on an enumerable policy.
 """
@@ -16,13 +16,9 @@ Plain tensors and floats only: no framework, so the exact tests can check it on 
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
-
-from spo_verl.core.student_t import detectable_difference, t_quantile
 
 
 def leave_one_out_weights(rewards: torch.Tensor) -> torch.Tensor:
@@ -79,39 +75,6 @@ def draw_alignment(cosine_with_reference: float, halves_cosine: float) -> float 
     if math.isnan(cosine_with_reference):
         return 0.0
     return corrected_cosine(cosine_with_reference, halves_cosine)
-
-
-@dataclass(frozen=True)
-class PairedInterval:
-    n: int
-    mean: float
-    se: float | None
-    low: float | None
-    high: float | None
-    level: float
-    detectable: float | None = None  # the smallest difference found with 80 % power at this level
-
-    @property
-    def verdict(self) -> str:
-        """The declared reading: better (interval above 0), worse (below), or not resolved."""
-        if self.low is None:
-            return "not resolved (too few prompts)"
-        return "better" if self.low > 0 else "worse" if self.high < 0 else "not resolved"
-
-
-def paired_interval(differences: Sequence[float], level: float = 0.95) -> PairedInterval:
-    """The mean of paired differences (one a prompt), its standard error and a two-sided Student-t
-    interval at ``level``."""
-    values = [float(d) for d in differences]
-    if not values:
-        raise ValueError("no differences to summarise")
-    mean = statistics.fmean(values)
-    if len(values) < 2:
-        return PairedInterval(len(values), mean, None, None, None, level)
-    se = statistics.stdev(values) / math.sqrt(len(values))
-    half = t_quantile(1 - (1 - level) / 2, len(values) - 1) * se
-    return PairedInterval(len(values), mean, se, mean - half, mean + half, level,
-                          detectable_difference(se, len(values), level))
 
 
 def tokens_to_match(points: Sequence[tuple[float, float]], target: float) -> float | None:

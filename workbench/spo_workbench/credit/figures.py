@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from spo_verl.core.credit.blame import Response, blame
-from spo_verl.core.credit.gradients import paired_interval
+from spo_verl.core.student_t import paired_interval
 from spo_workbench.credit.values import ValueRow
 from spo_workbench.report.response_view import advantage_colour
 
@@ -49,10 +49,11 @@ def calibration_plot(rows: Sequence[tuple[str, ValueRow]], path: Path) -> Path:
     return path
 
 
-def gradient_plot(prompt_draws: dict[tuple, dict[str, list[tuple[float, float]]]], path: Path) -> Path:
+def gradient_plot(prompt_draws: dict[tuple, dict[str, list]], path: Path) -> Path:
     """Corrected cosine with the true gradient against generated tokens, one panel a policy (all prompt
     sets together): each prompt's mean over its draws as a small point, the mean over prompts as a large
-    one with its 95 % Student-t interval over prompts, one colour an estimator, its budgets joined."""
+    one with its 95 % Student-t interval over prompts, one colour an estimator, its budgets joined.
+    ``prompt_draws``: the gradient command's ``prompt_draws``, each draw's ``tokens`` and ``alignment``."""
     plt = _pyplot()
     policies = sorted({key[0] for key in prompt_draws if key[1] == "all"})
     figure, panels = plt.subplots(1, max(1, len(policies)), figsize=(6 * max(1, len(policies)), 4.2), squeeze=False)
@@ -63,10 +64,10 @@ def gradient_plot(prompt_draws: dict[tuple, dict[str, list[tuple[float, float]]]
             colour = colours.setdefault(estimator, f"C{len(colours) % 10}")
             points = []
             for key in (k for k in keys if k[3] == estimator):
-                prompt_means = [(statistics.fmean(t for t, _ in draws), statistics.fmean(c for _, c in draws))
+                prompt_means = [(statistics.fmean(d.tokens for d in draws), statistics.fmean(d.alignment for d in draws))
                                 for draws in prompt_draws[key].values()]
                 panel.plot([t for t, _ in prompt_means], [c for _, c in prompt_means], ".", color=colour, alpha=0.35)
-                interval = paired_interval([c for _, c in prompt_means])
+                interval = paired_interval([c for _, c in prompt_means], unit="prompts")
                 points.append((statistics.fmean(t for t, _ in prompt_means), interval))
             points.sort(key=lambda point: point[0])
             panel.plot([t for t, _ in points], [i.mean for _, i in points], "o-", color=colour, label=estimator)

@@ -30,16 +30,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import csv
+import math
 import os
 import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-from spo_verl.core.credit.gradients import (corrected_cosine, cosine, draw_alignment, paired_interval,
-                                            tokens_to_match)
+from spo_verl.core.credit.gradients import corrected_cosine, cosine, draw_alignment, tokens_to_match
+from spo_verl.core.student_t import paired_interval
 from spo_workbench.credit.gradient_draws import Estimator, GroupSetup
 from spo_workbench.credit.rollouts import PAPER_CHAIN, ChainSetup, TreeSetup, gsm8k_score, paper_tree
 
@@ -309,21 +311,27 @@ def _append(path: Path, row: dict, columns: list[str]) -> None:
         writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()})
 
 
-def prompt_draws(draws_csv: Path) -> dict[tuple, dict[str, list[tuple[float, float]]]]:
-    """(policy, prompt set, parameters, estimator, budget) -> prompt -> its draws' (tokens, alignment),
-    each draw under its own prompt set and under ``all``. The alignment is ``draw_alignment``'s: the
-    corrected cosine, 0 for a zero update; draws of a prompt whose halves did not agree are left out."""
-    per_prompt: dict[tuple, dict[str, list[tuple[float, float]]]] = {}
+class MeasuredDraw(NamedTuple):
+    tokens: float
+    alignment: float  # draw_alignment's: the corrected cosine, 0 for a zero update
+    zero_update: bool  # every unit's rewards agreed: no update, so draws.csv records no cosine
+
+
+def prompt_draws(draws_csv: Path) -> dict[tuple, dict[str, list[MeasuredDraw]]]:
+    """(policy, prompt set, parameters, estimator, budget) -> prompt -> its draws, each draw under its own
+    prompt set and under ``all``; draws of a prompt whose halves did not agree are left out."""
+    per_prompt: dict[tuple, dict[str, list[MeasuredDraw]]] = {}
     for row in _read(draws_csv):
         if row["kind"] != "draw":
             continue
-        alignment = draw_alignment(float(row["cosine"] or "nan"), float(row["halves_cosine"] or "nan"))
+        cosine_with_reference = float(row["cosine"] or "nan")
+        alignment = draw_alignment(cosine_with_reference, float(row["halves_cosine"] or "nan"))
         if alignment is None:
             continue
+        draw = MeasuredDraw(float(row["tokens"]), alignment, math.isnan(cosine_with_reference))
         for prompt_set in (row["prompt_set"], "all"):
             key = (row["policy"], prompt_set, row["parameters"], row["estimator"], int(row["budget"]))
-            per_prompt.setdefault(key, {}).setdefault(f"{row['prompt_set']}/{row['prompt_uid']}", []).append(
-                (float(row["tokens"]), alignment))
+            per_prompt.setdefault(key, {}).setdefault(f"{row['prompt_set']}/{row['prompt_uid']}", []).append(draw)
     return per_prompt
 
 
@@ -335,18 +343,18 @@ def summary_rows(draws_csv: Path, reference: str = "grpo") -> list[dict]:
     per_prompt = prompt_draws(draws_csv)
     out = []
     for key, prompts in sorted(per_prompt.items()):
-        means = {uid: statistics.fmean(c for _, c in draws) for uid, draws in prompts.items()}
+        means = {uid: statistics.fmean(d.alignment for d in draws) for uid, draws in prompts.items()}
         row = {"policy": key[0], "prompt_set": key[1], "parameters": key[2], "estimator": key[3], "budget": key[4],
                "prompts": len(means), "draws": sum(len(draws) for draws in prompts.values()),
-               "zero_updates": sum(c == 0.0 for draws in prompts.values() for _, c in draws),
-               "tokens": statistics.fmean(t for draws in prompts.values() for t, _ in draws),
+               "zero_updates": sum(d.zero_update for draws in prompts.values() for d in draws),
+               "tokens": statistics.fmean(d.tokens for draws in prompts.values() for d in draws),
                "corrected_cosine": statistics.fmean(means.values())}
         base = per_prompt.get((*key[:3], reference, key[4]))
         if base is not None and key[3] != reference:
-            base_means = {uid: statistics.fmean(c for _, c in draws) for uid, draws in base.items()}
+            base_means = {uid: statistics.fmean(d.alignment for d in draws) for uid, draws in base.items()}
             shared = sorted(set(means) & set(base_means))
             if shared:
-                interval = paired_interval([means[u] - base_means[u] for u in shared])
+                interval = paired_interval([means[u] - base_means[u] for u in shared], unit="prompts")
                 row.update({f"minus_{reference}": interval.mean, "se": interval.se, "low": interval.low,
                             "high": interval.high, "detectable": interval.detectable, "verdict": interval.verdict})
         out.append(row)

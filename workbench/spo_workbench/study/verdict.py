@@ -32,7 +32,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from spo_verl.core.student_t import detectable_difference, t_quantile
+from spo_verl.core.student_t import PairedInterval, paired_interval
 from spo_verl.tools.metrics_log import read_logged_steps
 from spo_workbench.standard_error import mean_and_se
 
@@ -69,42 +69,22 @@ def at_budget(points: list[tuple[float, float]], budget: float) -> float | None:
     return None
 
 
-@dataclass(frozen=True)
-class Paired:
+@dataclass(frozen=True, kw_only=True)
+class Paired(PairedInterval):
+    """One declared comparison: ``algorithm`` minus ``reference`` over the seeds both finished."""
     algorithm: str
     reference: str
     seeds: tuple[int, ...]
     differences: tuple[float, ...]
-    mean: float | None
-    se: float | None
-    low: float | None
-    high: float | None
-    detectable: float | None  # the minimum detectable difference (80 % power at the interval's level)
-    level: float
-
-    @property
-    def verdict(self) -> str:
-        if self.low is None:
-            return "not resolved (too few seeds)"
-        if self.low > 0:
-            return "better"
-        if self.high < 0:
-            return "worse"
-        return "not resolved"
 
 
 def paired(at: dict[tuple[str, int], float | None], algorithm: str, reference: str, level: float = 0.975) -> Paired:
     """``at``: (algorithm, seed) -> accuracy at the budget. The difference over the seeds both have."""
-    seeds = sorted(seed for (name, seed), value in at.items()
-                   if name == algorithm and value is not None and at.get((reference, seed)) is not None)
+    seeds = tuple(sorted(seed for (name, seed), value in at.items()
+                         if name == algorithm and value is not None and at.get((reference, seed)) is not None))
     differences = tuple(at[(algorithm, s)] - at[(reference, s)] for s in seeds)
-    n = len(differences)
-    mean, se = mean_and_se(differences)
-    if se is None:
-        return Paired(algorithm, reference, tuple(seeds), differences, mean, None, None, None, None, level)
-    t = t_quantile(1 - (1 - level) / 2, n - 1)
-    detectable = detectable_difference(se, n, level)
-    return Paired(algorithm, reference, tuple(seeds), differences, mean, se, mean - t * se, mean + t * se, detectable, level)
+    interval = paired_interval(differences, level, unit="seeds")
+    return Paired(**vars(interval), algorithm=algorithm, reference=reference, seeds=seeds, differences=differences)
 
 
 def _finished_runs(output_dir: Path):
