@@ -108,6 +108,14 @@ def test_the_tokens_each_estimator_needs_to_match_grpo_at_its_largest_budget(tmp
     # Prompt a's draws (0.05 and the zero update, 0) average 0.025; prompt b's is 0.15; the mean 0.0875.
     assert (chain_at_100["draws"], chain_at_100["zero_updates"]) == ("3", "1")
     assert float(chain_at_100["corrected_cosine"]) == pytest.approx(0.0875)
+    # The same rows as the Markdown table RESULTS.md quotes; GRPO itself has no difference from itself.
+    table = (tmp_path / "table.md").read_text().splitlines()
+    assert len(table) == 2 + len(summary)
+    assert "| base | all | spo_tree_2_2 | 200 | 2 | 2 (0) | 200 | 0.500 | +0.100 [+0.100, +0.100] | 0.000 | better |" in table
+    # Differences -0.125 and -0.1 from GRPO: se 0.0125, t(0.975, 1) = 12.706, t(0.8, 1) = 1.376.
+    assert ("| base | all | spo_chain | 100 | 2 | 3 (1) | 100 | 0.088 | -0.113 [-0.271, +0.046] | 0.176 | "
+            "not resolved |") in table
+    assert "| base | all | grpo | 100 | 2 | 2 (0) | 100 | 0.200 | - | - | - |" in table
     assert (tmp_path / "cosine_vs_tokens.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with open(tmp_path / "matching.csv", newline="") as handle:
         matching = list(csv.DictReader(handle))
@@ -351,6 +359,7 @@ async def test_the_quick_measurement_writes_every_draw_and_resumes(llm_client, c
     assert calls == []
     summary = gradients.summarise(output / "draws.csv", output)  # what --from-draws writes
     assert (output / "cosine_vs_tokens.png").read_bytes()[:4] == b"\x89PNG"
+    assert len((output / "table.md").read_text().splitlines()) == 2 + len(summary)
     with open(output / "cost.csv", newline="") as handle:
         recorded = {r["prompt_set"]: float(r["machine_hours"]) for r in csv.DictReader(handle)}
     assert recorded["all"] == pytest.approx(recorded[prompt_set.name]) and recorded["all"] > 0

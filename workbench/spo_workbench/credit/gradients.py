@@ -16,10 +16,12 @@ that cosine corrected by the halves' agreement (``spo_verl.core.credit.gradients
 the same arguments it reuses the prompts, references and costs it kept, and skips every draw already in
 ``draws.csv``. ``summary.csv``: each estimator's mean corrected cosine a budget (a draw whose update is
 zero counts 0, and their number is a column), and against GRPO paired over prompts (mean, standard
-error, 95 % interval, the smallest difference found with 80 % power). ``matching.csv``: the generated
-tokens each estimator needs to reach GRPO's mean corrected cosine at GRPO's largest budget. ``cost.csv``: the machine hours recorded. ``cosine_vs_tokens.png``: each
-estimator's corrected cosine against generated tokens, each prompt's mean and the mean over prompts.
-``--from-draws`` writes these four from a kept ``draws.csv`` without measuring anything.
+error, 95 % interval, the smallest difference found with 80 % power); ``table.md`` the same as a
+Markdown table. ``matching.csv``: the generated tokens each estimator needs to reach GRPO's mean
+corrected cosine at GRPO's largest budget. ``cost.csv``: the machine hours recorded.
+``cosine_vs_tokens.png``: each estimator's corrected cosine against generated tokens, each prompt's mean
+and the mean over prompts. ``--from-draws`` writes these five from a kept ``draws.csv`` without
+measuring anything.
 
 ``--quick``: the cpu-tiny setting, 2 prompts, 2 small budgets, 2 draws, references of 2 x 16: the whole
 pipeline in about a minute.
@@ -426,6 +428,22 @@ def write_matching(summary: list[dict], path: Path) -> list[dict]:
     return _write_table(path, columns, rows)
 
 
+def render_summary(summary: list[dict], reference: str = "grpo") -> str:
+    """summary.csv as a Markdown table (the one RESULTS.md quotes): cosines to 3 decimals, tokens whole."""
+    lines = [f"| policy | prompt set | estimator | budget | prompts | draws (zero updates) | tokens a draw | "
+             f"corrected cosine | minus {reference} [95 % interval] | smallest detectable | verdict |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in summary:
+        difference = row.get(f"minus_{reference}")
+        against = "-" if difference is None else (
+            f"{difference:+.3f}" if row["low"] is None else f"{difference:+.3f} [{row['low']:+.3f}, {row['high']:+.3f}]")
+        detectable = "-" if row.get("detectable") is None else f"{row['detectable']:.3f}"
+        lines.append(f"| {row['policy']} | {row['prompt_set']} | {row['estimator']} | {row['budget']} | {row['prompts']} | "
+                     f"{row['draws']} ({row['zero_updates']}) | {row['tokens']:.0f} | {row['corrected_cosine']:.3f} | "
+                     f"{against} | {detectable} | {row.get('verdict', '-')} |")
+    return "\n".join(lines) + "\n"
+
+
 def write_summary(draws_csv: Path, path: Path) -> list[dict]:
     rows = summary_rows(draws_csv)
     columns = ["policy", "prompt_set", "parameters", "estimator", "budget", "prompts", "draws", "zero_updates",
@@ -561,7 +579,8 @@ def main(argv=None) -> int:
     parser.add_argument("--output-dir", type=Path, default=Path("outputs/gradients"))
     parser.add_argument("--quick", action="store_true", help="cpu-tiny, 2 prompts, 2 budgets, 2 draws")
     parser.add_argument("--from-draws", type=Path, metavar="CSV",
-                        help="measure nothing: write summary.csv, matching.csv, cost.csv and the plot from this draws.csv")
+                        help="measure nothing: write summary.csv, table.md, matching.csv, cost.csv and the plot from "
+                             "this draws.csv")
     parser.add_argument("--time-one-draw", type=Path, metavar="CSV",
                         help="compute no cosine: time one screening, one reference half and one draw of each estimator "
                              "on each task's first candidate, one row a phase in CSV")
@@ -602,11 +621,12 @@ def main(argv=None) -> int:
 
 
 def summarise(draws_csv: Path, output_dir: Path) -> list[dict]:
-    """summary.csv, matching.csv, cost.csv and the plot of corrected cosine against tokens, from
-    ``draws_csv`` alone."""
+    """summary.csv (and as Markdown, table.md), matching.csv, cost.csv and the plot of corrected cosine
+    against tokens, from ``draws_csv`` alone."""
     from spo_workbench.credit.figures import gradient_plot
 
     summary = write_summary(draws_csv, output_dir / "summary.csv")
+    (output_dir / "table.md").write_text(render_summary(summary))
     write_matching(summary, output_dir / "matching.csv")
     _write_table(output_dir / "cost.csv", ["policy", "prompt_set", "reference_seconds", "draw_sample_seconds",
                                            "draw_gradient_seconds", "machine_hours"], cost_rows(draws_csv))
@@ -616,7 +636,7 @@ def summarise(draws_csv: Path, output_dir: Path) -> list[dict]:
             extra = f"  minus grpo {row['minus_grpo']:+.3f} [{row['low']:+.3f}, {row['high']:+.3f}]" if row.get("low") is not None else ""
             print(f"gradients: {row['policy']} {row['estimator']:<24} {row['budget']:>6} tokens {row['tokens']:>7.0f} "
                   f"corrected cosine {row['corrected_cosine']:.3f}{extra}")
-    print(f"gradients: summary.csv, matching.csv, cost.csv, cosine_vs_tokens.png in {output_dir}")
+    print(f"gradients: summary.csv, table.md, matching.csv, cost.csv, cosine_vs_tokens.png in {output_dir}")
     return summary
 
 
