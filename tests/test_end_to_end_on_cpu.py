@@ -596,6 +596,9 @@ def test_readme_run_script_trains_the_real_model_on_cpu(runs):
     log = run.log.read_text()
     assert "no GPU visible: training the CPU default (SETTING=cpu-smollm2" in log
     assert f"checkpoints -> {REPO}/checkpoints/spo/cpu-smollm2-spo_tree" in log
+    # vLLM loaded the package's plugin in its engine and worker processes: their spin-waits pause.
+    for process in ("EngineCore", "VllmWorker-0"):
+        assert f"spo_cpu: vLLM's queues in {process} pause 0.2 ms between looks" in log, process
     # The summary the script ends with: a header and one line per step.
     summary = [line for line in log.splitlines() if line.startswith("spo: ")]
     header = next(i for i, line in enumerate(summary) if line.split()[1:3] == ["step", "score"])
