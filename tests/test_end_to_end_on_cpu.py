@@ -12,10 +12,10 @@ on cpu-tiny's two-turn arithmetic dialogues against the ``arithmetic_dialogue`` 
 
 A run costs about two minutes of two cores, almost all of it verl, Ray and vLLM starting (the table
 at the end of the session splits each run's time by phase), so each run covers every seam its
-configuration can show, and a resumed run is started only where resuming has its own code: once per
-trainer (the study's resume is the v1 trainer's). tests/README.md maps each seam to the run that
-covers it; adding a case is a row there and a line in ``TURN_CASES``. Each case trains 2 steps, validates
-and checkpoints at step 2, and its resumed run (where it has one) trains step 3. The runs go a few at a
+configuration can show. Resuming is the study's and the MATH rehearsal's, on the default v1 trainer;
+the legacy trainer's resume is verl's own checkpoint loading, with no SPO code of its own, and runs
+in no test. tests/README.md maps each seam to the run that covers it; adding a case is a row there
+and a line in ``TURN_CASES``. Each case trains 2 steps, validates and checkpoints at step 2. The runs go a few at a
 time (``SPO_E2E_PARALLEL``, default 3) in one module fixture, and each test reads its run's results.
 """
 
@@ -76,18 +76,16 @@ BF16_BOUND = 0.25
 
 @dataclass(frozen=True)
 class TrainerCase:
-    """One run of a run script on cpu-tiny (and, with ``resumed``, a second run that resumes from its
-    step-2 checkpoint)."""
+    """One run of a run script on cpu-tiny."""
 
     id: str  # "<trainer>-<algorithm>[-variant]"
     script: str
     algorithm: str | None  # ALGORITHM, or None for the script's own
     overrides: tuple[str, ...] = ()
     first_only: tuple[str, ...] = ()  # overrides of the first run only
-    resumed: bool = False
     dialogues: bool = False  # multi-turn: cpu-tiny's two-turn dialogues (DIALOGUES), the sample log on
-    # Before the resumed run, a launch with these overrides too, which must be refused before Ray: the
-    # checkpoint in its folder was written under another configuration.
+    # After the run, a launch that would resume its checkpoint with these overrides too, which must be
+    # refused before Ray: the checkpoint in its folder was written under another configuration.
     refused: tuple[str, ...] = ()
     nodes: int = 1  # 2: on a two-node Ray cluster (tests/ray_two_nodes.py) that the launch joins, NNODES=2
 
@@ -105,11 +103,13 @@ TURN_CASES = [
     # dialogues' leaves right a step (trial runs), and a trial run of 4 trees a step had a step in which
     # no tree had a right leaf, so nothing to train: TURN_TREES trees a step (the tiny model's rollouts
     # and updates are cheap) make a run without a single update practically impossible. Stopped by its
-    # token budget; resumed: the legacy trainer's own checkpoint loading.
-    # Between the two, a launch with another learning rate is refused: one run per checkpoint folder.
+    # token budget. Then a launch that would resume it with another learning rate is refused: one run
+    # per checkpoint folder. Not resumed: the legacy trainer's resume is verl's own checkpoint loading,
+    # with no SPO code of its own (resuming is the v1 trainer's cases), and a second start here cost CI
+    # about two minutes of its 30.
     TrainerCase("legacy-spo_tree-turns", "run_spo_tree.sh", "spo_tree",
                 (*LEGACY, *CHECK, "algorithm.spo.tree.branch_at=turn", f"data.train_batch_size={TURN_TREES}"),
-                BUDGET_STOP, resumed=True, dialogues=True, refused=(REFUSED_CHANGE,)),
+                BUDGET_STOP, dialogues=True, refused=(REFUSED_CHANGE,)),
     # SPO-chain over turns in verl's bfloat16 mixed precision (the GPU's precision path), packed, its first
     # update checked per row.
     TrainerCase("v1-spo_chain-turns-bf16", "run_spo_chain.sh", "spo_chain",
@@ -188,7 +188,6 @@ class Run:
 @dataclass
 class Case:
     first: Run
-    resumed: Run | None
     checkpoints: Path
     refused: Run | None = None
     actors: list[dict] | None = None  # on two nodes: every Ray actor of the runs, with its node
@@ -251,15 +250,12 @@ def _run_case(case: TrainerCase, cache: Path, work: Path) -> Case:
             env.update(RAY_ADDRESS=address, NNODES="2")  # what a user sets to join a cluster of two nodes
         first = _launch(case.script, {**env, "TOTAL_TRAINING_STEPS": "2", "SAVE_FREQ": "2", "TEST_FREQ": "2"},
                         [*overrides, *case.first_only], work / "first.log", work / "first.jsonl")
-        resumed = refused = None
-        if case.resumed and first.returncode == 0:
+        refused = None
+        if case.refused and first.returncode == 0:
             later = {**env, "TOTAL_TRAINING_STEPS": "3", "SAVE_FREQ": "-1", "TEST_FREQ": "-1"}
-            if case.refused:
-                refused = _launch(case.script, later, [*overrides, "trainer.resume_mode=auto", *case.refused],
-                                  work / "refused.log", work / "refused.jsonl")
-            resumed = _launch(case.script, later, [*overrides, "trainer.resume_mode=auto"], work / "resumed.log",
-                              work / "resumed.jsonl")
-    return Case(first, resumed, work / "checkpoints", refused, actors)
+            refused = _launch(case.script, later, [*overrides, "trainer.resume_mode=auto", *case.refused],
+                              work / "refused.log", work / "refused.jsonl")
+    return Case(first, work / "checkpoints", refused, actors)
 
 
 README_STEPS = 2  # of the setting's 4: each SmolLM2 step costs about a minute of both cores here
@@ -421,13 +417,13 @@ def runs(request, tmp_path_factory, run_times):
         cpu_default.build(cache)
         study = pool.submit(_in_slots, slots, 1, _run_study, work / "study", cache)
         futures = {case.id: pool.submit(_in_slots, slots, 1, _run_case, case, cache, work / case.id)
-                   for case in TURN_CASES}  # the resumed one first
+                   for case in TURN_CASES}
         results = {case_id: future.result() for case_id, future in futures.items()}
         results["readme"] = readme.result()
         results["study"] = study.result()
         results.update({name: future.result() for name, future in rehearsals.items()})
     for name, result in results.items():
-        named = ({"first": result.first, "resumed": result.resumed} if isinstance(result, Case) else
+        named = ({"first": result.first} if isinstance(result, Case) else
                  {"killed": result.killed, "resumed": result.resumed, "again": result.again} if isinstance(result, Study)
                  else {"run": result})
         for part, run in named.items():
@@ -628,8 +624,8 @@ def test_over_turns_each_turn_is_a_segment_and_the_environments_tokens_are_out_o
     tokens carry V(after) - V(before) where the row trains it (nothing where another row of the tree
     does), or under verl's GRPO the episode's one advantage, and the environment's reply after the
     model's end of turn is out of the mask with advantage 0. Then the case's own: the weights moved and
-    were checkpointed at step 2 (and resumed for step 3), the first update checked per row, bfloat16's
-    bounds."""
+    were checkpointed at step 2, the first update checked per row, bfloat16's bounds; a launch under
+    other settings refused before Ray."""
     from transformers import AutoTokenizer
 
     result: Case = runs[case.id]
@@ -667,15 +663,10 @@ def test_over_turns_each_turn_is_a_segment_and_the_environments_tokens_are_out_o
         assert result.refused.returncode == 2, result.refused.failure()
         assert "was written under another configuration (1 setting(s) differ: actor_rollout_ref.actor.optim.lr:" in refusal
         assert "ray init kwargs" not in refusal and not result.refused.metrics[0].exists()
-    if case.resumed:
-        assert result.resumed is not None and result.resumed.returncode == 0, result.resumed.failure()
-        assert sorted(result.resumed.steps()) == [3]
-        assert "written under this same configuration" in result.resumed.log.read_text()
     if case.nodes == 2:
-        for part in (run, result.resumed) if case.resumed else (run,):
-            log = part.log.read_text()
-            assert "spo: joining the running Ray cluster at " in log and "nodes=2" in log
-            assert "'nnodes': 2" in log or "nnodes: 2" in log
+        log = run.log.read_text()
+        assert "spo: joining the running Ray cluster at " in log and "nodes=2" in log
+        assert "'nnodes': 2" in log or "nnodes: 2" in log
         # verl's worker group and the rollout servers ran on both nodes; the shards of both ranks saved.
         workers = {actor["node"] for actor in result.actors if actor["class"].endswith("WorkerDict")}
         assert len(workers) == 2, result.actors
@@ -683,7 +674,7 @@ def test_over_turns_each_turn_is_a_segment_and_the_environments_tokens_are_out_o
 
     eos = AutoTokenizer.from_pretrained(str(cache_model)).eos_token
     records = [json.loads(line) for line in (run.log.parent / "samples" / "samples.jsonl").read_text().splitlines()]
-    assert [record["step"] for record in records] == [1, 2] + ([3] if case.resumed else [])  # the resumed run logs on
+    assert [record["step"] for record in records] == [1, 2]
     checked = 0
     for response in (r for record in records for r in record["responses"]):
         segments = response["segments"]
@@ -866,6 +857,8 @@ def test_a_cluster_setting_rehearses_as_shipped_through_verls_trainer(runs, sett
     validation = ("val-core/HuggingFaceH4/MATH-500/acc/mean@1" if setting.startswith("math") else VALIDATION_KEY)
     assert sorted(first) == [0, 1, 2] and validation in first[0] and validation in first[2]
     assert sorted(resumed) == [2, 3] and validation in resumed[2] and "timing_s/step" not in resumed[2]
+    # Resumed under the settings its checkpoint was written with: one run per checkpoint folder.
+    assert re.search(r"^spo: checkpoints: .*: resuming .*global_step_2, written under this same configuration$", log, re.MULTILINE)
     checkpoints = run.log.parent / "checkpoints"
     assert (checkpoints / "global_step_2").is_dir()
     trained = {step: data for step, data in [*first.items(), *resumed.items()] if "timing_s/step" in data}
