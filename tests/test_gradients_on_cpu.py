@@ -128,6 +128,44 @@ def test_the_tokens_each_estimator_needs_to_match_grpo_at_its_largest_budget(tmp
     assert [r["tokens_to_match"] for r in matching if r["prompt_set"] == "steps3"] == ["", "141.4"]
 
 
+def test_each_tree_with_pooled_values_against_its_own_values_on_the_same_draws(tmp_path):
+    """pooled.csv from a kept draws.csv: on three prompts the pooled tree's corrected cosine is 0.1, 0.2 and
+    0.3 above the tree's own (one of its own draws a zero update, counting 0); a pooled tree without its
+    own counterpart, and GRPO, get no row."""
+    import csv
+
+    from spo_workbench.credit import gradients
+
+    columns = ["kind", "policy", "prompt_set", "parameters", "estimator", "budget", "draw", "prompt_uid", "tokens",
+               "cosine", "halves_cosine", "corrected_cosine", "sample_seconds", "gradient_seconds"]
+    draws = tmp_path / "draws.csv"
+    with open(draws, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(columns)
+        for uid, own, pooled in (("a", 0.2, 0.3), ("b", 0.1, 0.3), ("c", 0.4, 0.7)):
+            for estimator, value in (("grpo", 0.5), ("spo_tree_6_6_6", own), ("spo_tree_6_6_6_pooled", pooled),
+                                     ("spo_tree_2_2_pooled", 0.9)):
+                writer.writerow(["draw", "base", "steps4", "last_blocks", estimator, 6000, 0, uid, 6000,
+                                 value, 1.0, value, 1.0, 1.0])
+        # Prompt c's second draw: the tree's own update is zero (0), the pooled one 0.7; c's means 0.2 and 0.7.
+        writer.writerow(["draw", "base", "steps4", "last_blocks", "spo_tree_6_6_6", 6000, 1, "c", 6000, "nan", 1.0,
+                         "nan", 1.0, 1.0])
+        writer.writerow(["draw", "base", "steps4", "last_blocks", "spo_tree_6_6_6_pooled", 6000, 1, "c", 6000, 0.7,
+                         1.0, 0.7, 1.0, 1.0])
+    assert gradients.main(["--from-draws", str(draws), "--output-dir", str(tmp_path)]) == 0
+    with open(tmp_path / "pooled.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [(r["prompt_set"], r["tree"], r["budget"], r["prompts"]) for r in rows] == [
+        ("all", "spo_tree_6_6_6", "6000", "3"), ("steps4", "spo_tree_6_6_6", "6000", "3")]
+    # Differences 0.1, 0.2, 0.5: mean 0.2667, sd 0.2082, se 0.1202, t(0.975, 2) = 4.302653.
+    row = rows[0]
+    assert float(row["pooled_minus_own"]) == pytest.approx(0.8 / 3, abs=1e-4)
+    assert float(row["se"]) == pytest.approx(math.sqrt(0.13 / 3 / 3), abs=1e-4)
+    assert (float(row["low"]), float(row["high"])) == (pytest.approx(0.8 / 3 - 4.302653 * math.sqrt(0.13 / 9), abs=1e-3),
+                                                       pytest.approx(0.8 / 3 + 4.302653 * math.sqrt(0.13 / 9), abs=1e-3))
+    assert row["verdict"] == "not resolved"
+
+
 def test_the_recorded_machine_time_counts_a_shared_rollout_once(tmp_path):
     """A reference (10 s sampling, 20 s gradients), one rollout shared by two estimators (5 s, its time on
     both rows; gradients 1 s and 2 s), and another estimator's own rollout (7 s, gradient 3 s)."""

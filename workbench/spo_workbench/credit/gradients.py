@@ -18,10 +18,11 @@ the same arguments it reuses the prompts, references and costs it kept, and skip
 zero counts 0, and their number is a column), and against GRPO paired over prompts (mean, standard
 error, 95 % interval, the smallest difference found with 80 % power); ``table.md`` the same as a
 Markdown table. ``matching.csv``: the generated tokens each estimator needs to reach GRPO's mean
-corrected cosine at GRPO's largest budget. ``cost.csv``: the machine hours recorded.
-``cosine_vs_tokens.png``: each estimator's corrected cosine against generated tokens, each prompt's mean
-and the mean over prompts. ``--from-draws`` writes these five from a kept ``draws.csv`` without
-measuring anything.
+corrected cosine at GRPO's largest budget. ``pooled.csv``: each tree with its values pooled over
+identical prefixes against the same tree with its own, paired over prompts. ``cost.csv``: the machine
+hours recorded. ``cosine_vs_tokens.png``: each estimator's corrected cosine against generated tokens,
+each prompt's mean and the mean over prompts. ``--from-draws`` writes these six from a kept
+``draws.csv`` without measuring anything.
 
 ``--quick``: the cpu-tiny setting, 2 prompts, 2 small budgets, 2 draws, references of 2 x 16: the whole
 pipeline in about a minute.
@@ -345,21 +346,53 @@ def summary_rows(draws_csv: Path, reference: str = "grpo") -> list[dict]:
     per_prompt = prompt_draws(draws_csv)
     out = []
     for key, prompts in sorted(per_prompt.items()):
-        means = {uid: statistics.fmean(d.alignment for d in draws) for uid, draws in prompts.items()}
+        means = _prompt_means(prompts)
         row = {"policy": key[0], "prompt_set": key[1], "parameters": key[2], "estimator": key[3], "budget": key[4],
                "prompts": len(means), "draws": sum(len(draws) for draws in prompts.values()),
                "zero_updates": sum(d.zero_update for draws in prompts.values() for d in draws),
                "tokens": statistics.fmean(d.tokens for draws in prompts.values() for d in draws),
                "corrected_cosine": statistics.fmean(means.values())}
         base = per_prompt.get((*key[:3], reference, key[4]))
-        if base is not None and key[3] != reference:
-            base_means = {uid: statistics.fmean(d.alignment for d in draws) for uid, draws in base.items()}
-            shared = sorted(set(means) & set(base_means))
-            if shared:
-                interval = paired_interval([means[u] - base_means[u] for u in shared], unit="prompts")
-                row.update({f"minus_{reference}": interval.mean, "se": interval.se, "low": interval.low,
-                            "high": interval.high, "detectable": interval.detectable, "verdict": interval.verdict})
+        interval = None if base is None or key[3] == reference else _paired(means, _prompt_means(base))
+        if interval is not None:
+            row.update({f"minus_{reference}": interval.mean, "se": interval.se, "low": interval.low,
+                        "high": interval.high, "detectable": interval.detectable, "verdict": interval.verdict})
         out.append(row)
+    return out
+
+
+def _prompt_means(prompts: dict[str, list[MeasuredDraw]]) -> dict[str, float]:
+    """Each prompt's mean alignment over its draws (a zero update counting 0)."""
+    return {uid: statistics.fmean(d.alignment for d in draws) for uid, draws in prompts.items()}
+
+
+def _paired(means: dict[str, float], base_means: dict[str, float]):
+    """The paired difference over the prompts both have (95 % interval), or None where they share none."""
+    shared = sorted(set(means) & set(base_means))
+    return paired_interval([means[u] - base_means[u] for u in shared], unit="prompts") if shared else None
+
+
+POOLED = "_pooled"
+
+
+def pooled_rows(draws_csv: Path) -> list[dict]:
+    """The declared secondary "each tree with against without pooled values": per (policy, prompt set,
+    parameters, tree, budget), the tree with each segment's value pooled over identical prefixes minus the
+    same tree with its own values, paired over prompts (95 % interval). Both are computed on the same
+    rollouts of each draw, so the difference is the pooling's alone."""
+    per_prompt = prompt_draws(draws_csv)
+    out = []
+    for key, prompts in sorted(per_prompt.items()):
+        if not key[3].endswith(POOLED):
+            continue
+        tree = key[3].removesuffix(POOLED)
+        own = per_prompt.get((*key[:3], tree, key[4]))
+        interval = None if own is None else _paired(_prompt_means(prompts), _prompt_means(own))
+        if interval is None:
+            continue
+        out.append({"policy": key[0], "prompt_set": key[1], "parameters": key[2], "tree": tree, "budget": key[4],
+                    "prompts": interval.n, "pooled_minus_own": interval.mean, "se": interval.se, "low": interval.low,
+                    "high": interval.high, "detectable": interval.detectable, "verdict": interval.verdict})
     return out
 
 
@@ -579,7 +612,7 @@ def main(argv=None) -> int:
     parser.add_argument("--output-dir", type=Path, default=Path("outputs/gradients"))
     parser.add_argument("--quick", action="store_true", help="cpu-tiny, 2 prompts, 2 budgets, 2 draws")
     parser.add_argument("--from-draws", type=Path, metavar="CSV",
-                        help="measure nothing: write summary.csv, table.md, matching.csv, cost.csv and the plot from "
+                        help="measure nothing: write summary.csv, table.md, matching.csv, pooled.csv, cost.csv and the plot from "
                              "this draws.csv")
     parser.add_argument("--time-one-draw", type=Path, metavar="CSV",
                         help="compute no cosine: time one screening, one reference half and one draw of each estimator "
@@ -621,13 +654,16 @@ def main(argv=None) -> int:
 
 
 def summarise(draws_csv: Path, output_dir: Path) -> list[dict]:
-    """summary.csv (and as Markdown, table.md), matching.csv, cost.csv and the plot of corrected cosine
+    """summary.csv (and as Markdown, table.md), matching.csv, pooled.csv, cost.csv and the plot of corrected cosine
     against tokens, from ``draws_csv`` alone."""
     from spo_workbench.credit.figures import gradient_plot
 
     summary = write_summary(draws_csv, output_dir / "summary.csv")
     (output_dir / "table.md").write_text(render_summary(summary))
     write_matching(summary, output_dir / "matching.csv")
+    _write_table(output_dir / "pooled.csv", ["policy", "prompt_set", "parameters", "tree", "budget", "prompts",
+                                             "pooled_minus_own", "se", "low", "high", "detectable", "verdict"],
+                 pooled_rows(draws_csv))
     _write_table(output_dir / "cost.csv", ["policy", "prompt_set", "reference_seconds", "draw_sample_seconds",
                                            "draw_gradient_seconds", "machine_hours"], cost_rows(draws_csv))
     gradient_plot(prompt_draws(draws_csv), output_dir / "cosine_vs_tokens.png")
@@ -636,7 +672,7 @@ def summarise(draws_csv: Path, output_dir: Path) -> list[dict]:
             extra = f"  minus grpo {row['minus_grpo']:+.3f} [{row['low']:+.3f}, {row['high']:+.3f}]" if row.get("low") is not None else ""
             print(f"gradients: {row['policy']} {row['estimator']:<24} {row['budget']:>6} tokens {row['tokens']:>7.0f} "
                   f"corrected cosine {row['corrected_cosine']:.3f}{extra}")
-    print(f"gradients: summary.csv, table.md, matching.csv, cost.csv, cosine_vs_tokens.png in {output_dir}")
+    print(f"gradients: summary.csv, table.md, matching.csv, pooled.csv, cost.csv, cosine_vs_tokens.png in {output_dir}")
     return summary
 
 
