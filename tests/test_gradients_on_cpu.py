@@ -401,6 +401,11 @@ async def test_the_quick_measurement_writes_every_draw_and_resumes(llm_client, c
     with open(output / "cost.csv", newline="") as handle:
         recorded = {r["prompt_set"]: float(r["machine_hours"]) for r in csv.DictReader(handle)}
     assert recorded["all"] == pytest.approx(recorded[prompt_set.name]) and recorded["all"] > 0
+    # The 2-2 tree with pooled values against its own, wherever the summary has the pooled one.
+    with open(output / "pooled.csv", newline="") as handle:
+        pooled = {(r["prompt_set"], r["tree"], int(r["budget"])) for r in csv.DictReader(handle)}
+    assert pooled == {(r["prompt_set"], "spo_tree_2_2", r["budget"]) for r in summary
+                      if r["estimator"] == "spo_tree_2_2_pooled"}
     # Each (estimator, budget) is summarised over exactly the prompts whose halves agree: on the untrained
     # tiny model a prompt's halves may disagree (rho <= 0), and its draws then stay out of the summary. A
     # draw whose update is zero (no cosine) stays in, counted 0.
