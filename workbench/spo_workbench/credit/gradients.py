@@ -58,6 +58,10 @@ COLUMNS = ("kind", "policy", "prompt_set", "prompt_uid", "estimator", "budget", 
            "gradient_seconds")
 
 
+# The suffix of a tree estimator whose segment values are pooled over identical prefixes.
+POOLED = "_pooled"
+
+
 def _tree(name, branching, segments, **kwargs):
     return TreeSetup(name, tuple(branching), tuple(segments), **kwargs)
 
@@ -75,7 +79,7 @@ def smollm2_estimators(task: str) -> list[Estimator]:
            Estimator("grpo_one_group", GroupSetup("grpo_one_group", one_group=True), "grpo", "vanilla", secondary=True)]
     for name, setup in trees.items():
         out += [Estimator(name, setup, "spo_tree", "spo_prob_mask"),
-                Estimator(f"{name}_pooled", setup, "spo_tree_pooled", "spo_prob_mask")]
+                Estimator(f"{name}{POOLED}", setup, "spo_tree_pooled", "spo_prob_mask")]
     out += [Estimator("spo_chain_int5_mc9", PAPER_CHAIN, "spo_chain", "spo_prob_mask"),
             Estimator("spo_chain_int5_mc4", ChainSetup("int5_mc4", 4, 5, 4), "spo_chain", "spo_prob_mask")]
     return out
@@ -371,8 +375,6 @@ def _paired(means: dict[str, float], base_means: dict[str, float]):
     shared = sorted(set(means) & set(base_means))
     return paired_interval([means[u] - base_means[u] for u in shared], unit="prompts") if shared else None
 
-
-POOLED = "_pooled"
 
 
 def pooled_rows(draws_csv: Path) -> list[dict]:
