@@ -253,6 +253,43 @@ def test_packed_log_probs_and_gradients_match_rows_float64(name, exact_rmsnorm):
         assert diff < 1e-10, diff
 
 
+@pytest.mark.parametrize("weighting", ["segment", "paths", "sqrt_paths"])
+@pytest.mark.parametrize("name", ["2-2-2 variable", "3-3 early EOS"])
+def test_the_loss_of_every_segment_weighting_matches_rows_float64(name, weighting, exact_rmsnorm):
+    """SPO's reference loss (whitening, clipped ratio, mean over the probability-masked trained tokens)
+    on each weighting's advantages and trained mask: loss and parameter gradients of the packed forward
+    equal the per-row forward's, a segment trained by several rows included."""
+    from spo_verl.core.algorithms.masked_loss import reference_policy_loss
+
+    model = tiny_model(torch.float64, seed=4)
+    tree, responses, paths, ends = _rows_for(name, 13)
+    prompts = [tree.prompt] * len(responses)
+    packed = pack_rows(prompts, responses, ends)
+    valid = packed.response_index >= 0
+    rewards = torch.tensor([float(b % 3) for b in range(len(responses))], dtype=torch.float64)
+    result = tree_token_advantages([None if p is None else "t" for p in paths], paths, ends, rewards, valid.long(),
+                                   zero_untrained=True, segment_weight=weighting)
+    trained = result.trained_mask
+    if weighting != "segment":  # a shared segment trained in several rows
+        assert int(trained.sum()) > tree.unique_tokens - len(tree.prompt)
+    with torch.no_grad():
+        old = packed_row_log_probs(model, packed) + 0.3 * torch.randn(valid.shape, dtype=torch.float64,
+                                                                      generator=torch.Generator().manual_seed(5))
+    probability_mask = trained & (old.exp() < 0.9)
+
+    def loss_of(log_probs):
+        return reference_policy_loss(log_probs, old, result.token_advantages, probability_mask).loss
+
+    packed_loss = loss_of(packed_row_log_probs(model, packed))
+    rows_loss = loss_of(row_log_probs(model, prompts, responses, ends, packed.response_width))
+    assert abs(packed_loss.item() - rows_loss.item()) < 1e-12
+    packed_grads = param_grads(model, loss_of(packed_row_log_probs(model, packed)))
+    row_grads = param_grads(model, loss_of(row_log_probs(model, prompts, responses, ends, packed.response_width)))
+    diff, scale = max_grad_diff(packed_grads, row_grads)
+    assert scale > 1e-4
+    assert diff < 1e-10, diff
+
+
 def test_llama_with_a_tied_head_matches_rows_float64(exact_rmsnorm):
     model = tiny_llama(torch.float64)
     tree, responses, paths, ends = _rows_for("3-3 early EOS", 5)

@@ -189,8 +189,10 @@ def compute_spo_tree_advantage(
     Row metadata (one row per leaf): ``path`` (node ids from the root's child to the leaf) and
     ``segment_ends`` (response offset where each path node's segment ends); a leaf's reward is the row's
     summed token-level reward (0 for a truncated leaf under ``truncated_response_score=zero``); the tree is the row's
-    ``tree_id`` if given, else its uid. Each segment is trained by one row only; the mask of trained
-    tokens goes back through the advantage channel for the trainer to apply to the loss.
+    ``tree_id`` if given, else its uid. With ``algorithm.spo.tree.segment_weight=segment`` (the paper's)
+    each segment is trained by one row only; with ``paths`` or ``sqrt_paths`` every row trains its whole
+    path. The mask of trained tokens goes back through the advantage channel for the trainer to apply to
+    the loss.
 
     Args:
         token_level_rewards: `(torch.Tensor)`
@@ -205,8 +207,8 @@ def compute_spo_tree_advantage(
 
     Returns:
         advantages: `(torch.Tensor)`
-            shape is (bs, response_length); a segment's advantage on the tokens of the one row that
-            trains it, 0 elsewhere
+            shape is (bs, response_length); a segment's advantage (per copy, under ``sqrt_paths``) on the
+            tokens of the rows that train it, 0 elsewhere
         returns: `(torch.Tensor)`
             shape is (bs, response_length); the same tensor as ``advantages``
     """
@@ -229,6 +231,7 @@ def tree_advantages(call: EstimatorCall) -> EstimatorResult:
         drop_zero_advantage=settings.tree.drop_zero_advantage,
         max_trained_segments_per_tree=settings.tree.max_trained_segments_per_prompt,
         zero_untrained=True,  # untrained tokens get 0 in the same pass
+        segment_weight=settings.tree.segment_weight,
     )
     return EstimatorResult(result.token_advantages, trained_mask=result.trained_mask,
                            metrics=_tree_advantage_metrics(result),

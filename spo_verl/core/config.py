@@ -18,6 +18,7 @@ LOSS_NORMALIZATIONS = ("reference", "verl")
 CHAIN_PARTITIONS = ("cutpoint", "fixed_count", "delimiter", "turn")
 TRUNCATED_RESPONSE_SCORES = ("zero", "reward_function")
 TREE_BRANCH_POINTS = ("fixed", "cutpoint", "turn")
+TREE_SEGMENT_WEIGHTS = ("segment", "paths", "sqrt_paths")
 
 
 class SPOConfigError(ValueError):
@@ -183,6 +184,12 @@ class TreeSettings:
     ``turn`` forks a multi-turn episode between the model's turns (``turns``: :class:`TurnSettings`): each
     of the first ``len(branching) - 1`` depths is one turn and the environment's reply, the last depth the
     rest of the episode (``segment_tokens`` and ``align_to_block`` are unused).
+    ``segment_weight``: how much each segment counts in the loss. ``segment`` (the paper's): each segment
+    once, in the one row that owns it. ``paths``: each segment as often as sampled leaf paths run through
+    it, i.e. every leaf row trained whole, as GRPO trains its responses (the expected update is then a
+    multiple of the policy gradient in a tree whose leaves all reach the last depth). ``sqrt_paths``:
+    every leaf row trained whole with a shared segment's advantage divided by the square root of its
+    paths, so it counts ``sqrt(paths)`` times (TreeRL's reweighting).
     """
 
     branching: tuple[int, ...] = setting((6, 6, 6), _positive_int_list)
@@ -193,6 +200,7 @@ class TreeSettings:
     align_to_block: int | None = setting(None, _optional_positive_int)
     branch_at: str = setting("fixed", _choice(TREE_BRANCH_POINTS))
     cutpoint: CutpointTreeSettings = field(default_factory=CutpointTreeSettings)
+    segment_weight: str = setting("segment", _choice(TREE_SEGMENT_WEIGHTS))
 
 
 @dataclass(frozen=True)

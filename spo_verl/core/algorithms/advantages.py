@@ -6,6 +6,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 STD_EPS = 1e-8
+SEGMENT_WEIGHTS = ("segment", "paths", "sqrt_paths")
 
 
 def check_segment_starts(num_tokens: int, segment_starts: Sequence[int]) -> None:
@@ -111,3 +112,29 @@ def tree_advantages(parents: Sequence[int], values: Sequence[float], std_normali
             std = math.sqrt(sum((v - mean) ** 2 for v in siblings) / len(siblings))
             advantages[node] /= std + STD_EPS
     return advantages
+
+
+def leaf_path_counts(parents: Sequence[int]) -> list[int]:
+    """How many root-to-leaf paths run through each node: its subtree's leaves (1 for a leaf)."""
+    check_parents(parents)
+    children = children_lists(parents)
+    depths = node_depths(parents)
+    counts = [0] * len(parents)
+    for node in sorted(range(len(parents)), key=lambda n: -depths[n]):  # children before parents
+        counts[node] = sum(counts[k] for k in children[node]) if children[node] else 1
+    return counts
+
+
+def check_segment_weight(segment_weight: str) -> None:
+    if segment_weight not in SEGMENT_WEIGHTS:
+        raise ValueError(f"segment_weight must be one of {list(SEGMENT_WEIGHTS)}, got {segment_weight!r}")
+
+
+def segment_weights(parents: Sequence[int], segment_weight: str = "segment") -> list[float]:
+    """How many times each node's segment counts in the loss (0 for the root, which has none):
+    ``segment`` once (the paper's), ``paths`` once per leaf path through it (every leaf path trained
+    whole), ``sqrt_paths`` the square root of that (TreeRL's reweighting)."""
+    check_segment_weight(segment_weight)
+    counts = leaf_path_counts(parents)
+    weight = {"segment": lambda c: 1.0, "paths": float, "sqrt_paths": math.sqrt}[segment_weight]
+    return [0.0 if parent < 0 else weight(count) for parent, count in zip(parents, counts)]

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from spo_verl.core.algorithms.advantages import check_segment_weight
 from spo_verl.core.algorithms.batched import node_depths_batched, tree_advantages_batched, tree_values_batched
 
 # Tokens per chunk when the (B, T) outputs are written: the chunk's temporaries stay in cache (and
@@ -31,10 +32,11 @@ _CHUNK_TOKENS = 1 << 18
 @dataclass
 class TreeBatchAdvantages:
     token_advantages: torch.Tensor  # (B, T) advantage of the segment each token belongs to, 0 elsewhere
-    trained_mask: torch.Tensor  # (B, T) tokens whose segment this row trains (once per segment)
+    trained_mask: torch.Tensor  # (B, T) tokens whose segment this row trains
     node_values: torch.Tensor  # (N,) V of every node of the forest, roots included
     node_advantages: torch.Tensor  # (N,)
     node_depths: torch.Tensor  # (N,) roots are depth 0
+    node_weights: torch.Tensor  # (N,) float64 times each node's segment counts in the loss (0: root or untrained)
 
 
 @dataclass
@@ -289,6 +291,15 @@ def _first_row_of_each_node(node_table: torch.Tensor, num_nodes: int) -> torch.T
     return owner
 
 
+def _rows_through_each_node(node_table: torch.Tensor, num_nodes: int) -> torch.Tensor:
+    """(num_nodes,) how many rows' paths hold each node: the leaf paths through it (0 for roots, which
+    no path lists)."""
+    present = node_table >= 0
+    counts = torch.zeros(num_nodes, dtype=torch.long, device=node_table.device)
+    counts.scatter_add_(0, node_table[present], torch.ones_like(node_table[present]))
+    return counts
+
+
 def _spread_over_tokens(piece_advantages: torch.Tensor, piece_trained: torch.Tensor, end_table: torch.Tensor,
                         response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's pieces (B, W + 1; the last the rest after its path) repeated over their tokens, ending at
@@ -327,17 +338,24 @@ def tree_token_advantages(
     max_trained_segments_per_tree: int | None = None,
     generator: torch.Generator | None = None,
     zero_untrained: bool = False,
+    segment_weight: str = "segment",
 ) -> TreeBatchAdvantages:
     """Token advantages for a batch of leaf rows.
 
     Rows whose ``tree_id`` is None (e.g. verl's padding rows) get advantage 0 and train nothing.
-    ``trained_mask`` gives each segment to exactly one row (the first that contains it), so a segment
-    shared by many leaves is trained once, as in the reference; with ``drop_zero_advantage`` segments
-    whose advantage is exactly 0 (e.g. all siblings equal) are not trained at all. With
-    ``max_trained_segments_per_tree`` at most that many of a tree's trainable segments, drawn
-    uniformly at random, are trained (the reference's per-prompt budget). With ``zero_untrained`` the
-    token advantages are also 0 outside ``trained_mask`` (what the estimator hands to the loss).
+    ``segment_weight`` (:func:`spo_verl.core.algorithms.advantages.segment_weights`) says how often a
+    segment counts in the loss. ``segment``: ``trained_mask`` gives each segment to exactly one row (the
+    first that contains it), so a segment shared by many leaves is trained once, as in the reference.
+    ``paths`` and ``sqrt_paths``: every row trains its whole path, so a segment counts once per leaf path
+    through it, as if each leaf were an independent response; ``sqrt_paths`` divides each copy's
+    advantage by the square root of the paths, so the segment counts ``sqrt(paths)`` times in all.
+    With ``drop_zero_advantage`` segments whose advantage is exactly 0 (e.g. all siblings equal) are not
+    trained at all. With ``max_trained_segments_per_tree`` at most that many of a tree's trainable
+    segments, drawn uniformly at random, are trained (the reference's per-prompt budget). With
+    ``zero_untrained`` the token advantages are also 0 outside ``trained_mask`` (what the estimator
+    hands to the loss).
     """
+    check_segment_weight(segment_weight)
     batch_size, length = response_mask.shape
     device = rewards.device
     tables = _forest_tables(tree_ids, paths)
@@ -360,13 +378,23 @@ def tree_token_advantages(
     width = tables.nodes.shape[1]
     present = node_table >= 0
     safe_node = node_table.clamp(min=0)
+    paths_through = _rows_through_each_node(node_table, parents.numel()).double()
     piece_trained = torch.zeros(batch_size, width + 1, dtype=torch.bool, device=device)
-    owner = _first_row_of_each_node(node_table, parents.numel())
-    rows = torch.arange(batch_size, device=device)[:, None]
-    piece_trained[:, :width] = present & (owner[safe_node] == rows) & trainable[safe_node]
+    piece_trained[:, :width] = present & trainable[safe_node]
+    if segment_weight == "segment":
+        owner = _first_row_of_each_node(node_table, parents.numel())
+        rows = torch.arange(batch_size, device=device)[:, None]
+        piece_trained[:, :width] &= owner[safe_node] == rows
+        copy_advantages, node_weights = node_advantages, trainable.double()
+    elif segment_weight == "paths":
+        copy_advantages, node_weights = node_advantages, torch.where(trainable, paths_through, 0.0)
+    else:  # sqrt_paths: each of a segment's copies carries 1 / sqrt(paths) of its advantage
+        scale = torch.where(paths_through > 0, paths_through.clamp(min=1).rsqrt(), 0.0)
+        copy_advantages = node_advantages * scale
+        node_weights = torch.where(trainable, paths_through.sqrt(), 0.0)
     piece_advantages = torch.zeros(batch_size, width + 1, dtype=rewards.dtype, device=device)
     piece_advantages[:, :width] = torch.where(
-        piece_trained[:, :width] if zero_untrained else present, node_advantages[safe_node], 0.0
+        piece_trained[:, :width] if zero_untrained else present, copy_advantages[safe_node], 0.0
     ).to(rewards.dtype)
     token_advantages, trained = _spread_over_tokens(piece_advantages, piece_trained, end_table, response_mask)
     return TreeBatchAdvantages(
@@ -375,4 +403,5 @@ def tree_token_advantages(
         node_values=values,
         node_advantages=node_advantages,
         node_depths=node_depths_batched(parents),
+        node_weights=node_weights,
     )
