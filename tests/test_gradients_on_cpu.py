@@ -166,6 +166,97 @@ def test_each_tree_with_pooled_values_against_its_own_values_on_the_same_draws(t
     assert row["verdict"] == "not resolved"
 
 
+def test_each_tree_under_another_segment_weighting_against_the_papers_on_the_same_draws(tmp_path):
+    """weights.csv: the 6-6-6 tree under ``paths`` and ``sqrt_paths`` minus the tree as the paper weighs
+    it, paired over two prompts; the pooled tree and GRPO get no row there."""
+    import csv
+
+    from spo_workbench.credit import gradients
+
+    columns = ["kind", "policy", "prompt_set", "parameters", "estimator", "budget", "draw", "prompt_uid", "tokens",
+               "cosine", "halves_cosine", "corrected_cosine", "sample_seconds", "gradient_seconds"]
+    draws = tmp_path / "draws.csv"
+    with open(draws, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(columns)
+        for uid, own, paths, root in (("a", 0.2, 0.5, 0.3), ("b", 0.4, 0.9, 0.5)):
+            for estimator, value in (("grpo", 0.8), ("spo_tree_6_6_6", own), ("spo_tree_6_6_6_paths", paths),
+                                     ("spo_tree_6_6_6_sqrt_paths", root), ("spo_tree_6_6_6_pooled", 0.1)):
+                writer.writerow(["draw", "base", "steps4", "last_blocks", estimator, 6000, 0, uid, 6000,
+                                 value, 1.0, value, 1.0, 1.0])
+    assert gradients.main(["--from-draws", str(draws), "--output-dir", str(tmp_path)]) == 0
+    with open(tmp_path / "weights.csv", newline="") as handle:
+        rows = [r for r in csv.DictReader(handle) if r["prompt_set"] == "all"]
+    assert [(r["tree"], r["variant"], r["prompts"]) for r in rows] == [("spo_tree_6_6_6", "paths", "2"),
+                                                                      ("spo_tree_6_6_6", "sqrt_paths", "2")]
+    # paths: differences 0.3 and 0.5 (mean 0.4, se 0.1, t(0.975, 1) = 12.7062); sqrt_paths: 0.1 and 0.1.
+    assert float(rows[0]["variant_minus_own"]) == pytest.approx(0.4, abs=1e-4)
+    assert (float(rows[0]["low"]), float(rows[0]["high"])) == (pytest.approx(0.4 - 1.27062, abs=1e-3),
+                                                               pytest.approx(0.4 + 1.27062, abs=1e-3))
+    assert float(rows[1]["variant_minus_own"]) == pytest.approx(0.1, abs=1e-4) and float(rows[1]["se"]) == 0
+
+
+def test_bias_figures_from_the_products_each_draw_keeps():
+    """_bias_figures from a draw's kept products equals the same figures computed from the vectors: the
+    cosine of the mean of the first m draws (corrected by the halves), the bias cosine from the pairs of
+    distinct draws, the noise's share and the responses a draw is worth."""
+    from spo_workbench.credit.gradients import _bias_figures
+
+    generator = torch.Generator().manual_seed(0)
+    draws = torch.randn(4, 7, generator=generator, dtype=torch.float64)
+    half_a, half_b = torch.randn(2, 7, generator=generator, dtype=torch.float64) + 1.0
+    reference = (half_a + half_b) / 2
+    figures = _bias_figures([float(g @ reference) for g in draws], [float(g @ g) for g in draws],
+                            [float(g @ draws[:r].sum(0)) for r, g in enumerate(draws)], float(half_a @ half_a),
+                            float(half_b @ half_b), float(half_a @ half_b), half_samples=16)
+    rho = cosine(half_a, half_b)
+    by_draws = [cosine(draws[: m + 1].sum(0), reference) / math.sqrt(halves_reliability(rho)) for m in range(4)]
+    assert [float(c) for c in figures["cosine_of_mean_by_draws"].split()] == pytest.approx(by_draws, rel=1e-3)
+    assert figures["mean_cosine"] == pytest.approx(by_draws[-1], rel=1e-12)
+    pairs = statistics.fmean(float(draws[r] @ draws[s]) for r in range(4) for s in range(r))
+    assert pairs > 0
+    expected_bias = statistics.fmean(float(g @ reference) for g in draws) / math.sqrt(pairs * float(half_a @ half_b))
+    assert figures["bias_cosine"] == pytest.approx(expected_bias, rel=1e-12)
+    mean_sq = statistics.fmean(float(g @ g) for g in draws)
+    assert figures["noise_share"] == pytest.approx((mean_sq - pairs) / mean_sq, rel=1e-12)
+    response_noise = 16 * float((half_a - half_b) @ (half_a - half_b)) / 2
+    assert figures["effective_responses"] == pytest.approx(pairs / (mean_sq - pairs) * response_noise
+                                                           / float(half_a @ half_b), rel=1e-12)
+
+
+def test_the_bias_cosine_sees_through_the_noise_and_counts_responses():
+    """Draws whose mean lies at cosine 0.6 to a true gradient, each buried in noise (one draw's cosine with
+    the reference well below 0.6): the bias cosine recovers 0.6; unbiased draws as noisy as the mean of
+    32 plain responses (the reference's halves the mean of 2,048 such) are worth about 32 responses.
+    Over seeds 0-5 the figures spread 0.575-0.613 and 24-37 responses."""
+    from spo_workbench.credit.gradients import _bias_figures
+
+    generator = torch.Generator().manual_seed(1)
+    dimension, response_sd = 400, 1.0
+    truth = torch.randn(dimension, generator=generator, dtype=torch.float64)
+    truth /= truth.norm()
+    other = torch.randn(dimension, generator=generator, dtype=torch.float64)
+    other -= (other @ truth) * truth
+    other /= other.norm()
+    noise = lambda n: torch.randn(dimension, generator=generator, dtype=torch.float64) * response_sd / math.sqrt(n)  # noqa: E731
+    half_a, half_b = truth + noise(2048), truth + noise(2048)
+    reference = (half_a + half_b) / 2
+
+    def figures(mean, responses, draws=200):
+        gradients = [mean + noise(responses) for _ in range(draws)]
+        return _bias_figures([float(g @ reference) for g in gradients], [float(g @ g) for g in gradients],
+                             [float(g @ sum(gradients[:r], torch.zeros(dimension, dtype=torch.float64)))
+                              for r, g in enumerate(gradients)], float(half_a @ half_a), float(half_b @ half_b),
+                             float(half_a @ half_b), half_samples=2048), gradients
+
+    biased, gradients = figures(0.6 * truth + 0.8 * other, responses=16)
+    assert statistics.fmean(corrected_cosine(cosine(g, reference), cosine(half_a, half_b)) for g in gradients) < 0.3
+    assert biased["bias_cosine"] == pytest.approx(0.6, abs=0.05)
+    unbiased, _ = figures(truth, responses=32)
+    assert unbiased["bias_cosine"] == pytest.approx(1.0, abs=0.05)
+    assert unbiased["effective_responses"] == pytest.approx(32, rel=0.25)
+
+
 def test_the_recorded_machine_time_counts_a_shared_rollout_once(tmp_path):
     """A reference (10 s sampling, 20 s gradients), one rollout shared by two estimators (5 s, its time on
     both rows; gradients 1 s and 2 s), and another estimator's own rollout (7 s, gradient 3 s)."""
@@ -374,11 +465,25 @@ async def test_the_quick_measurement_writes_every_draw_and_resumes(llm_client, c
     assert {(r["estimator"], r["budget"], r["prompt_uid"], r["draw"]) for r in draws} == expected
     # Estimators that share a sampling are computed on the same rollouts of a draw: GRPO with and without
     # the mask, the tree with and without pooled values.
-    for first, second in (("grpo", "grpo_prob_mask"), ("spo_tree_2_2", "spo_tree_2_2_pooled")):
-        tokens = {name: {(r["budget"], r["prompt_uid"], r["draw"]): (r["tokens"], r["reward_mean"]) for r in draws
-                         if r["estimator"] == name} for name in (first, second)}
-        assert tokens[first] == tokens[second]
-    assert {e for e, *_ in expected} >= {"grpo", "grpo_prob_mask", "spo_tree_2_2"}
+    # the mask, the tree with pooled values and under each segment weighting: one rollout id for all.
+    for first, *others in (("grpo", "grpo_prob_mask"),
+                           ("spo_tree_2_2", "spo_tree_2_2_pooled", "spo_tree_2_2_paths", "spo_tree_2_2_sqrt_paths")):
+        rollouts = {name: {(r["budget"], r["prompt_uid"], r["draw"]): (r["rollout"], r["tokens"], r["reward_mean"])
+                           for r in draws if r["estimator"] == name} for name in (first, *others)}
+        for other in others:
+            assert rollouts[other] == rollouts[first] and rollouts[first]
+    assert len({r["rollout"] for r in draws}) == len({(r["budget"], r["prompt_uid"], r["draw"], sampling_key(e))
+                                                    for r in draws for e in plan.estimators if e.name == r["estimator"]})
+    assert {e for e, *_ in expected} >= {"grpo", "grpo_prob_mask", "spo_tree_2_2", "spo_tree_2_2_paths"}
+    # Each draw keeps its gradient's products: its second draw's product with the first is the kept files'.
+    for r in references:
+        rho = float(r["halves_dot"]) / math.sqrt(float(r["half_a_norm_sq"]) * float(r["half_b_norm_sq"]))
+        assert rho == pytest.approx(float(r["halves_cosine"]), abs=1e-5)
+    second = next(r for r in draws if r["draw"] == "1" and r["estimator"] == "spo_tree_2_2_paths")
+    kept = [torch.load(output / "draw_gradients" / f"tiny-tiny_add-{second['prompt_uid']}-spo_tree_2_2_paths-b{second['budget']}-"
+                       f"last_blocks-d{d}.pt").double() for d in (0, 1)]
+    assert float(second["dot_earlier"]) == pytest.approx(float(kept[1] @ kept[0]), rel=1e-9, abs=1e-12)
+    assert float(second["norm_sq"]) == pytest.approx(float(kept[1] @ kept[1]), rel=1e-9, abs=1e-12)
     finite = [r for r in draws if not math.isnan(float(r["cosine"]))]
     assert len(finite) >= len(draws) // 2  # a draw whose rewards all agree trains nothing: no direction
     for r in finite:
@@ -401,11 +506,21 @@ async def test_the_quick_measurement_writes_every_draw_and_resumes(llm_client, c
     with open(output / "cost.csv", newline="") as handle:
         recorded = {r["prompt_set"]: float(r["machine_hours"]) for r in csv.DictReader(handle)}
     assert recorded["all"] == pytest.approx(recorded[prompt_set.name]) and recorded["all"] > 0
-    # The 2-2 tree with pooled values against its own, wherever the summary has the pooled one.
+    # The 2-2 tree with pooled values, or under another weighting, against its own, wherever the summary has it.
     with open(output / "pooled.csv", newline="") as handle:
         pooled = {(r["prompt_set"], r["tree"], int(r["budget"])) for r in csv.DictReader(handle)}
     assert pooled == {(r["prompt_set"], "spo_tree_2_2", r["budget"]) for r in summary
                       if r["estimator"] == "spo_tree_2_2_pooled"}
+    with open(output / "weights.csv", newline="") as handle:
+        weighted = {(r["prompt_set"], r["variant"], int(r["budget"])) for r in csv.DictReader(handle)}
+    assert weighted == {(r["prompt_set"], r["estimator"].removeprefix("spo_tree_2_2_"), r["budget"]) for r in summary
+                        if r["estimator"] in ("spo_tree_2_2_paths", "spo_tree_2_2_sqrt_paths")}
+    # Bias figures for every estimator, budget and prompt with two draws and a reference.
+    with open(output / "bias.csv", newline="") as handle:
+        bias = {(r["estimator"], r["budget"], r["prompt_uid"]): r for r in csv.DictReader(handle)}
+    assert set(bias) == {(e, b, u) for e, b, u, _ in expected}
+    for row in bias.values():
+        assert row["draws"] == "2" and len(row["cosine_of_mean_by_draws"].split()) == 2
     # Each (estimator, budget) is summarised over exactly the prompts whose halves agree: on the untrained
     # tiny model a prompt's halves may disagree (rho <= 0), and its draws then stay out of the summary. A
     # draw whose update is zero (no cosine) stays in, counted 0.
@@ -431,6 +546,75 @@ async def test_the_quick_measurement_writes_every_draw_and_resumes(llm_client, c
         written = list(csv.DictReader(handle))
     assert tuple(written[0]) == gradients.COST_COLUMNS and len(written) == len(timed)
     assert not (tmp_path / "cost" / "draws.csv").exists()
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_grpo_draw_carries_verls_grpo_advantage(llm_client, cpu_tiny_cache, monkeypatch):
+    """A GRPO draw as the measurement samples it (verl's single_turn_agent, its advantage step): each
+    response's tokens all carry (r - mean) / (std + 1e-6) of its group of four (verl's default, the
+    unbiased std), GRPO with one group over the draw's whole set; every token is trained."""
+    from spo_verl.adapters.cpu_platform.environment import cpu_run_env
+    from spo_workbench.credit import gradients
+    from spo_workbench.credit.gradient_draws import Estimator, GroupSetup, sample_draw
+
+    for key, value in cpu_run_env().items():
+        monkeypatch.setenv(key, os.environ.get(key, value))
+    monkeypatch.setenv("SPO_CPU_CACHE", str(cpu_tiny_cache))
+    plan, prompt_set = gradients.quick_plan()
+    tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(plan.model_dir)
+    uid, messages, truth = prompt_set.candidates[0]
+    estimators = [Estimator("grpo", GroupSetup("grpo"), "grpo", "vanilla"),
+                  Estimator("grpo_one_group", GroupSetup("grpo", one_group=True), "grpo", "vanilla")]
+    draw = await sample_draw(estimators, 3, plan.model_dir, llm_client, tokenizer, f"{uid}/grpo", messages, truth,
+                             prompt_set.prompt_length, prompt_set.response_length,
+                             score=lambda text, _: float(len(text) % 2 == 0))
+    rewards = torch.tensor(draw.rewards)
+    assert len(rewards) == 12 and 0 < float(rewards.sum()) < 12  # both kinds of answer
+
+    def verl_grpo(group):
+        return (group - group.mean()) / (group.std() + 1e-6)
+
+    expected = {"grpo": torch.cat([verl_grpo(rewards[g: g + 4]) for g in range(0, 12, 4)]),
+                "grpo_one_group": verl_grpo(rewards)}
+    for name, advantages in expected.items():
+        for row, advantage in zip(draw.rows[name], advantages.tolist()):
+            assert row.advantages == pytest.approx([advantage] * len(row.response_ids), abs=1e-6)
+            assert all(row.trained) and len(row.trained) == len(row.response_ids)
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_prompt_whose_halves_agree_less_than_declared_is_kept_out(tiny_model, tmp_path, monkeypatch):
+    """The declared minimum, 0.2, as it stands: of three candidates that pass the screen, the one whose
+    reference's halves agree at 0.19 is kept out, those at exactly 0.2 and at 0.5 are kept. The halves'
+    cosine is given (the sampler cannot be made to hit 0.19); the screening and the rule are the
+    measurement's."""
+    import csv
+    import dataclasses
+
+    from spo_workbench.credit import gradient_draws, gradients
+    from spo_workbench.credit.rollouts import Leaf
+
+    assert gradients.MIN_HALVES_COSINE == 0.2 and gradients.SCREEN_RIGHT == (2, 14)
+    halves = {"c0": 0.19, "c1": 0.2, "c2": 0.5}
+
+    async def screened(config, client, tokenizer, uid, messages, truth, score):
+        return [Leaf(uid, None, float(i < 8)) for i in range(16)]  # 8 of 16 right: inside 2-14
+
+    async def reference(self, uid, messages, truth):
+        return halves[uid]
+
+    monkeypatch.setattr(gradient_draws, "plain_samples", screened)
+    monkeypatch.setattr(gradient_draws, "group_config", lambda *args: None)
+    monkeypatch.setattr(gradients.Measurement, "reference", reference)
+    plan = gradients.Plan([], [], draws=0, prompts=3, reference_samples=8, screen_samples=16, parameters="last_blocks",
+                          policy="tiny", model_dir=tiny_model[0])
+    prompt_set = gradients.tiny_prompt_set()
+    prompt_set = dataclasses.replace(prompt_set, screen=True, candidates=prompt_set.candidates[:3])
+    chosen = await gradients.Measurement(plan, prompt_set, tmp_path, None, None).choose_prompts()
+    assert [uid for uid, _, _ in chosen] == ["c1", "c2"]
+    with open(tmp_path / "prompts-tiny-tiny_add.csv", newline="") as handle:
+        assert [(r["prompt_uid"], r["screen_right"], r["kept"]) for r in csv.DictReader(handle)] == [
+            ("c0", "8", "0"), ("c1", "8", "1"), ("c2", "8", "1")]
 
 
 def test_an_estimators_gradient_is_minus_the_policy_loss_gradient_pushed_through_the_model_in_chunks(tiny_model):

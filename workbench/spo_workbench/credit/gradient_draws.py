@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from spo_verl.core.algorithms.advantages import SEGMENT_WEIGHTS
 from spo_verl.core.credit.gradients import leave_one_out_weights
 from spo_workbench.credit.rollouts import SAMPLING, ChainSetup, Leaf, TreeSetup, gsm8k_score
 
@@ -44,7 +45,8 @@ class GroupSetup:
 @dataclass(frozen=True)
 class Estimator:
     """An estimator measured: how its units are sampled (``setup``), which view of their advantages it
-    trains on (``grpo``, ``spo_tree``, ``spo_tree_pooled``, ``spo_chain``) and its loss."""
+    trains on (``grpo``, ``spo_tree``, ``spo_tree_pooled``, ``spo_tree_paths``, ``spo_tree_sqrt_paths``,
+    ``spo_chain``) and its loss."""
 
     name: str
     setup: GroupSetup | TreeSetup | ChainSetup
@@ -152,7 +154,9 @@ async def sample_draw(estimators: Sequence[Estimator], units: int, model_dir: st
         views = chain_and_grpo_responses(leaves, config, tokenizer, THRESHOLD, no_error)
         tokens = sum(len(leaf.output.response_ids) for leaf in leaves) + sum(r.mc_tokens for r in views["spo_chain"])
     else:
-        views = tree_and_grpo_responses(leaves, config, tokenizer, THRESHOLD, no_error)
+        weights = [e.view.removeprefix("spo_tree_") for e in estimators if e.view.startswith("spo_tree_")]
+        views = tree_and_grpo_responses(leaves, config, tokenizer, THRESHOLD, no_error,
+                                        [w for w in weights if w in SEGMENT_WEIGHTS])
         tokens = tree_tokens(leaves)
     for estimator in estimators:
         rows[estimator.name] = [Row(list(leaf.output.prompt_ids), list(leaf.output.response_ids), list(r.advantages),

@@ -19,9 +19,13 @@ zero counts 0, and their number is a column), and against GRPO paired over promp
 error, 95 % interval, the smallest difference found with 80 % power); ``table.md`` the same as a
 Markdown table. ``matching.csv``: the generated tokens each estimator needs to reach GRPO's mean
 corrected cosine at GRPO's largest budget. ``pooled.csv``: each tree with its values pooled over
-identical prefixes against the same tree with its own, paired over prompts. ``cost.csv``: the machine
-hours recorded. ``cosine_vs_tokens.png``: each estimator's corrected cosine against generated tokens,
-each prompt's mean and the mean over prompts. ``--from-draws`` writes these six from a kept
+identical prefixes against the same tree with its own, paired over prompts; ``weights.csv`` each tree
+under another segment weighting (``algorithm.spo.tree.segment_weight``) against the paper's, on the same
+rollouts. ``bias.csv``: bias and noise apart, per prompt (the cosine of each estimator's expected update
+with the true gradient, the corrected cosine of the mean of its draws as more are averaged, the noise's
+share and the independent responses a draw is worth), from the gradient products each draw row keeps;
+``bias_summary.csv`` their means and paired differences. ``cost.csv``: the machine hours recorded. ``cosine_vs_tokens.png``: each estimator's corrected cosine against generated tokens,
+each prompt's mean and the mean over prompts. ``--from-draws`` writes these from a kept
 ``draws.csv`` without measuring anything.
 
 ``--quick``: the cpu-tiny setting, 2 prompts, 2 small budgets, 2 draws, references of 2 x 16: the whole
@@ -43,7 +47,8 @@ from typing import NamedTuple
 
 import torch
 
-from spo_verl.core.credit.gradients import corrected_cosine, cosine, draw_alignment, tokens_to_match
+from spo_verl.core.credit.gradients import (corrected_cosine, cosine, draw_alignment, halves_reliability,
+                                            tokens_to_match)
 from spo_verl.core.student_t import paired_interval
 from spo_workbench.credit.gradient_draws import Estimator, GroupSetup
 from spo_workbench.credit.rollouts import PAPER_CHAIN, ChainSetup, TreeSetup, gsm8k_score, paper_tree
@@ -55,11 +60,14 @@ UNIT_OVER_BUDGET = 1.5  # a unit dearer than this many budgets is not drawn at t
 
 COLUMNS = ("kind", "policy", "prompt_set", "prompt_uid", "estimator", "budget", "draw", "units", "tokens",
            "parameters", "cosine", "corrected_cosine", "halves_cosine", "reward_mean", "sample_seconds",
-           "gradient_seconds")
+           "gradient_seconds", "rollout", "dot_reference", "norm_sq", "dot_earlier", "half_a_norm_sq",
+           "half_b_norm_sq", "halves_dot")
 
 
 # The suffix of a tree estimator whose segment values are pooled over identical prefixes.
 POOLED = "_pooled"
+# The suffixes of a tree estimator under another algorithm.spo.tree.segment_weight than the paper's.
+WEIGHTED = {"_paths": "paths", "_sqrt_paths": "sqrt_paths"}
 
 
 def _tree(name, branching, segments, **kwargs):
@@ -79,10 +87,18 @@ def smollm2_estimators(task: str) -> list[Estimator]:
            Estimator("grpo_one_group", GroupSetup("grpo_one_group", one_group=True), "grpo", "vanilla", secondary=True)]
     for name, setup in trees.items():
         out += [Estimator(name, setup, "spo_tree", "spo_prob_mask"),
-                Estimator(f"{name}{POOLED}", setup, "spo_tree_pooled", "spo_prob_mask")]
+                Estimator(f"{name}{POOLED}", setup, "spo_tree_pooled", "spo_prob_mask"),
+                *weighted_trees(name, setup)]
     out += [Estimator("spo_chain_int5_mc9", PAPER_CHAIN, "spo_chain", "spo_prob_mask"),
             Estimator("spo_chain_int5_mc4", ChainSetup("int5_mc4", 4, 5, 4), "spo_chain", "spo_prob_mask")]
     return out
+
+
+def weighted_trees(name: str, setup: TreeSetup) -> list[Estimator]:
+    """The tree ``name`` under every other segment weighting, each on the same rollouts as the tree."""
+    from spo_workbench.credit.rollouts import weighted_view
+
+    return [Estimator(f"{name}{suffix}", setup, weighted_view(weight), "spo_prob_mask") for suffix, weight in WEIGHTED.items()]
 
 
 def quick_estimators() -> list[Estimator]:
@@ -91,6 +107,7 @@ def quick_estimators() -> list[Estimator]:
             Estimator("grpo_prob_mask", GroupSetup("grpo"), "grpo", "spo_prob_mask"),
             Estimator("spo_tree_2_2", tree, "spo_tree", "spo_prob_mask"),
             Estimator("spo_tree_2_2_pooled", tree, "spo_tree_pooled", "spo_prob_mask"),
+            *weighted_trees("spo_tree_2_2", tree),
             Estimator("spo_chain", ChainSetup("tiny_chain", 2, 8, 2), "spo_chain", "spo_prob_mask")]
 
 
@@ -214,9 +231,11 @@ class Measurement:
             rewards += [leaf.score for leaf in leaves]
         rho = cosine(*halves)
         torch.save({"gradient": (halves[0] + halves[1]) / 2, "halves_cosine": rho}, file)
+        a, b = (h.double() for h in halves)
         self.write({"kind": "reference", "prompt_uid": uid, "estimator": "reference", "units": 2 * self.plan.reference_samples,
                     "tokens": tokens, "halves_cosine": rho, "reward_mean": statistics.fmean(rewards),
-                    "sample_seconds": sampled, "gradient_seconds": computed})
+                    "sample_seconds": sampled, "gradient_seconds": computed, "half_a_norm_sq": float(a @ a),
+                    "half_b_norm_sq": float(b @ b), "halves_dot": float(a @ b)})
         return rho
 
     # -- the cost pass and the draws --------------------------------------------------------------
@@ -256,6 +275,7 @@ class Measurement:
         done = {(r["prompt_uid"], r["estimator"], r["budget"], r["draw"]) for r in _read(self.csv)
                 if r["kind"] == "draw" and r["policy"] == self.plan.policy and r["prompt_set"] == self.prompt_set.name
                 and r["parameters"] == self.plan.parameters}
+        self._check_header()
         for uid, messages, truth in prompts:
             reference = torch.load(self._reference_file(uid))
             for r in range(self.plan.draws):
@@ -267,35 +287,71 @@ class Measurement:
                         pending = [e for e in estimators if (uid, e.name, str(budget), str(r)) not in done]
                         if not pending:
                             continue
+                        if len(pending) < len(estimators):
+                            raise SystemExit(f"gradients: {self.csv} holds draw {r} of {uid} at {budget} tokens for only "
+                                             f"some of {[e.name for e in estimators]}: their rollouts are shared, so "
+                                             f"measure into a new --output-dir")
                         started = time.perf_counter()
-                        draw = await sample_draw(pending, units, self.plan.model_dir, self.client, self.tokenizer,
+                        # Every estimator of the sampling on this one rollout, written together: a resume
+                        # never pairs estimators on different rollouts.
+                        draw = await sample_draw(estimators, units, self.plan.model_dir, self.client, self.tokenizer,
                                                  f"{uid}/b{budget}/d{r}", messages, truth,
                                                  self.prompt_set.prompt_length, self.prompt_set.response_length, SCORE)
                         sampled = time.perf_counter() - started
-                        for estimator in pending:
+                        rollout = f"{uid}/b{budget}/d{r}/{os.urandom(4).hex()}"
+                        rows = []
+                        for estimator in estimators:
                             started = time.perf_counter()
                             gradient = estimator_gradient(self.model, self.parameters, draw.rows[estimator.name],
                                                           estimator.loss_mode)
                             raw = cosine(gradient, reference["gradient"])
-                            self.write({"kind": "draw", "prompt_uid": uid, "estimator": estimator.name, "budget": budget,
-                                        "draw": r, "units": units, "tokens": draw.tokens, "cosine": raw,
-                                        "corrected_cosine": corrected_cosine(raw, reference["halves_cosine"]),
-                                        "halves_cosine": reference["halves_cosine"],
-                                        "reward_mean": statistics.fmean(draw.rewards),
-                                        "sample_seconds": sampled, "gradient_seconds": time.perf_counter() - started})
+                            rows.append({"kind": "draw", "prompt_uid": uid, "estimator": estimator.name, "budget": budget,
+                                         "draw": r, "units": units, "tokens": draw.tokens, "cosine": raw,
+                                         "corrected_cosine": corrected_cosine(raw, reference["halves_cosine"]),
+                                         "halves_cosine": reference["halves_cosine"],
+                                         "reward_mean": statistics.fmean(draw.rewards), "sample_seconds": sampled,
+                                         "gradient_seconds": time.perf_counter() - started, "rollout": rollout,
+                                         **self.keep_gradient(uid, estimator.name, budget, r, gradient, reference["gradient"])})
+                        self.write(*rows)
+
+    def _gradient_file(self, uid: str, estimator: str, budget: int, draw: int) -> Path:
+        return self.output_dir / "draw_gradients" / f"{self.key}-{uid}-{estimator}-b{budget}-{self.plan.parameters}-d{draw}.pt"
+
+    def keep_gradient(self, uid: str, estimator: str, budget: int, draw: int, gradient: torch.Tensor,
+                      reference: torch.Tensor) -> dict:
+        """Keeps a draw's gradient and returns what the bias figures need of it (:func:`bias_rows`): its
+        products with the reference, with itself and with the sum of the same estimator's earlier draws
+        of this prompt (blank if one of those was not kept)."""
+        file = self._gradient_file(uid, estimator, budget, draw)
+        file.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(gradient, file)
+        g = gradient.double()
+        earlier = [self._gradient_file(uid, estimator, budget, d) for d in range(draw)]
+        dot_earlier = sum(float(g @ torch.load(f).double()) for f in earlier) if all(f.exists() for f in earlier) else ""
+        return {"dot_reference": float(g @ reference.double()), "norm_sq": float(g @ g), "dot_earlier": dot_earlier}
 
     @property
     def csv(self) -> Path:
         return self.output_dir / "draws.csv"
 
-    def write(self, row: dict) -> None:
-        full = {c: "" for c in COLUMNS}
-        full.update({"policy": self.plan.policy, "prompt_set": self.prompt_set.name, "parameters": self.plan.parameters}, **row)
-        _append(self.csv, full, list(COLUMNS))
+    def _check_header(self) -> None:
+        if self.csv.exists():
+            with open(self.csv, newline="") as handle:
+                header = tuple(next(csv.reader(handle), ()))
+            if header != COLUMNS:
+                raise SystemExit(f"gradients: {self.csv} was written with other columns ({len(header)}, now "
+                                 f"{len(COLUMNS)}): measure into a new --output-dir")
+
+    def write(self, *rows: dict) -> None:
+        """Rows of draws.csv, appended in one write."""
+        common = {"policy": self.plan.policy, "prompt_set": self.prompt_set.name, "parameters": self.plan.parameters}
+        _append(self.csv, [{**{c: "" for c in COLUMNS}, **common, **row} for row in rows], list(COLUMNS))
 
     async def run(self) -> None:
         prompts = await self.choose_prompts()
         print(f"gradients: {self.key}: {len(prompts)} prompts", flush=True)
+        for uid, messages, truth in prompts:  # a choice kept from an earlier measurement: its reference drawn anew
+            await self.reference(uid, messages, truth)
         costs = await self.unit_costs(prompts)
         print(f"gradients: {self.key}: tokens a unit " + ", ".join(f"{k} {v:.0f}" for k, v in costs.items()), flush=True)
         await self.draws(prompts, costs)
@@ -308,14 +364,28 @@ def _read(path: Path) -> list[dict]:
         return list(csv.DictReader(handle))
 
 
-def _append(path: Path, row: dict, columns: list[str]) -> None:
-    """One line, flushed: a stopped measurement loses at most the draw it was computing."""
+def _append(path: Path, rows: dict | list[dict], columns: list[str]) -> None:
+    """A line (or the lines of ``rows``) in one write, flushed: a stopped measurement loses at most the draw
+    it was computing."""
+    import io
+
     new = not path.exists()
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=columns)
+    if new:
+        writer.writeheader()
+    for row in [rows] if isinstance(rows, dict) else rows:
+        writer.writerow({k: (_number(k, v) if isinstance(v, float) else v) for k, v in row.items()})
     with open(path, "a", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=columns)
-        if new:
-            writer.writeheader()
-        writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()})
+        handle.write(text.getvalue())
+
+
+# Products of gradients keep 12 digits: the bias figures subtract sums of them.
+_PRODUCTS = {"dot_reference", "norm_sq", "dot_earlier", "half_a_norm_sq", "half_b_norm_sq", "halves_dot"}
+
+
+def _number(column: str, value: float) -> str:
+    return f"{value:.12g}" if column in _PRODUCTS else f"{value:.6g}"
 
 
 class MeasuredDraw(NamedTuple):
@@ -377,25 +447,137 @@ def _paired(means: dict[str, float], base_means: dict[str, float]):
 
 
 
-def pooled_rows(draws_csv: Path) -> list[dict]:
-    """The declared secondary "each tree with against without pooled values": per (policy, prompt set,
-    parameters, tree, budget), the tree with each segment's value pooled over identical prefixes minus the
-    same tree with its own values, paired over prompts (95 % interval). Both are computed on the same
-    rollouts of each draw, so the difference is the pooling's alone."""
+def variant_rows(draws_csv: Path, suffixes) -> list[dict]:
+    """Each tree estimator with one of ``suffixes`` (the tree with pooled values, or under another segment
+    weighting) minus the same tree as the paper computes it, paired over prompts (95 % interval), per
+    (policy, prompt set, parameters, tree, budget). Both are computed on the same rollouts of each draw,
+    so the difference is the variant's alone."""
     per_prompt = prompt_draws(draws_csv)
     out = []
     for key, prompts in sorted(per_prompt.items()):
-        if not key[3].endswith(POOLED):
+        suffix = _variant_suffix(key[3], suffixes)
+        if suffix is None:
             continue
-        tree = key[3].removesuffix(POOLED)
+        tree = key[3].removesuffix(suffix)
         own = per_prompt.get((*key[:3], tree, key[4]))
         interval = None if own is None else _paired(_prompt_means(prompts), _prompt_means(own))
         if interval is None:
             continue
-        out.append({"policy": key[0], "prompt_set": key[1], "parameters": key[2], "tree": tree, "budget": key[4],
-                    "prompts": interval.n, "pooled_minus_own": interval.mean, "se": interval.se, "low": interval.low,
-                    "high": interval.high, "detectable": interval.detectable, "verdict": interval.verdict})
+        out.append({"policy": key[0], "prompt_set": key[1], "parameters": key[2], "tree": tree,
+                    "variant": suffix.removeprefix("_"), "budget": key[4], "prompts": interval.n,
+                    "variant_minus_own": interval.mean, "se": interval.se, "low": interval.low, "high": interval.high,
+                    "detectable": interval.detectable, "verdict": interval.verdict})
     return out
+
+
+def _variant_suffix(estimator: str, suffixes) -> str | None:
+    """The longest of ``suffixes`` that ``estimator`` ends with (``_sqrt_paths`` before ``_paths``)."""
+    return max((x for x in suffixes if estimator.endswith(x)), key=len, default=None)
+
+
+def pooled_rows(draws_csv: Path) -> list[dict]:
+    """The declared secondary "each tree with against without pooled values" (:func:`variant_rows`)."""
+    return [{**{k: v for k, v in row.items() if k not in ("variant", "variant_minus_own")},
+             "pooled_minus_own": row["variant_minus_own"]} for row in variant_rows(draws_csv, (POOLED,))]
+
+
+# -- bias and noise apart -------------------------------------------------------------------------------
+
+
+def bias_rows(draws_csv: Path) -> list[dict]:
+    """Per (policy, prompt set, parameters, estimator, budget, prompt), from the products each draw row
+    keeps (``dot_reference``, ``norm_sq``, ``dot_earlier``) and its reference row's halves:
+
+    * ``bias_cosine``: the cosine of the estimator's *expected* update with the true gradient, what no
+      number of tokens changes: ``mean_r g_r . ref / sqrt(mean_(r < s) g_r . g_s * hA . hB)``, each factor
+      an unbiased estimate (independent draws; the halves' product for the true gradient's squared norm);
+    * ``mean_cosine``: the corrected cosine of the mean of all the prompt's draws with the reference;
+    * ``noise_share``: the draws' noise ``mean |g_r|^2 - mean_(r < s) g_r . g_s`` over ``mean |g_r|^2``;
+    * ``effective_responses``: how many independent plain responses (the reference's leave-one-out
+      estimate) have the ratio of squared mean to noise that one draw has.
+
+    Empty where a draw's products were not kept or the estimates are not positive."""
+    rows = _read(draws_csv)
+    references = {(r["policy"], r["prompt_set"], r["parameters"], r["prompt_uid"]): r for r in rows
+                  if r["kind"] == "reference" and r.get("halves_dot")}
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r["kind"] == "draw":
+            groups.setdefault((r["policy"], r["prompt_set"], r["parameters"], r["estimator"], int(r["budget"]),
+                               r["prompt_uid"]), []).append(r)
+    out = []
+    for key, draws in sorted(groups.items()):
+        reference = references.get((*key[:3], key[5]))
+        draws = sorted(draws, key=lambda d: int(d["draw"]))
+        if reference is None or len(draws) < 2 or any(d.get("dot_earlier", "") == "" for d in draws):
+            continue
+        figures = _bias_figures([float(d["dot_reference"]) for d in draws], [float(d["norm_sq"]) for d in draws],
+                                [float(d["dot_earlier"]) for d in draws], float(reference["half_a_norm_sq"]),
+                                float(reference["half_b_norm_sq"]), float(reference["halves_dot"]),
+                                int(reference["units"]) // 2)
+        out.append({"policy": key[0], "prompt_set": key[1], "parameters": key[2], "estimator": key[3], "budget": key[4],
+                    "prompt_uid": key[5], "draws": len(draws),
+                    "tokens": statistics.fmean(float(d["tokens"]) for d in draws), **figures})
+    return out
+
+
+def _bias_figures(dot_reference: list[float], norm_sq: list[float], dot_earlier: list[float], half_a: float,
+                  half_b: float, halves_dot: float, half_samples: int) -> dict:
+    """:func:`bias_rows`' figures for one prompt's draws in order; ``cosine_of_mean_m``: the corrected
+    cosine of the mean of the first m draws (m = 1 .. M) with the reference."""
+    draws = len(norm_sq)
+    reference_norm = math.sqrt(max((half_a + half_b + 2 * halves_dot) / 4, 0.0))
+    reliability = halves_reliability(halves_dot / math.sqrt(half_a * half_b)) \
+        if half_a > 0 and half_b > 0 and halves_dot > 0 else math.nan
+    by_draws, sum_sq, sum_dot = [], 0.0, 0.0
+    for m in range(draws):
+        sum_sq += norm_sq[m] + 2 * dot_earlier[m]
+        sum_dot += dot_reference[m]
+        norm = math.sqrt(max(sum_sq, 0.0)) * reference_norm
+        by_draws.append(sum_dot / norm / math.sqrt(reliability) if norm > 0 and reliability > 0 else math.nan)
+    pairs = sum(dot_earlier) / (draws * (draws - 1) / 2)  # mean g_r . g_s over r < s: |E g|^2
+    mean_dot = statistics.fmean(dot_reference)
+    bias = mean_dot / math.sqrt(pairs * halves_dot) if pairs > 0 and halves_dot > 0 else math.nan
+    noise = statistics.fmean(norm_sq) - pairs
+    # One plain response's noise and squared signal, from the halves: |hA - hB|^2 / 2 is a half's noise.
+    response_noise = half_samples * (half_a + half_b - 2 * halves_dot) / 2
+    effective = (pairs / noise) * response_noise / halves_dot if noise > 0 and pairs > 0 and halves_dot > 0 else math.nan
+    return {"bias_cosine": bias, "mean_cosine": by_draws[-1],
+            "noise_share": noise / statistics.fmean(norm_sq) if statistics.fmean(norm_sq) > 0 else math.nan,
+            "effective_responses": effective, "cosine_of_mean_by_draws": " ".join(f"{c:.4g}" for c in by_draws)}
+
+
+def bias_summary_rows(bias: list[dict], reference: str = "grpo") -> list[dict]:
+    """Per (policy, parameters, estimator, budget), over every prompt: the mean of each bias figure, and the
+    bias cosine's paired difference from ``reference`` and, for a tree variant, from its tree (95 %)."""
+    by_key: dict[tuple, dict[str, dict]] = {}
+    for row in bias:
+        by_key.setdefault((row["policy"], row["parameters"], row["estimator"], row["budget"]), {})[
+            f"{row['prompt_set']}/{row['prompt_uid']}"] = row
+    out = []
+    for key, prompts in sorted(by_key.items()):
+        finite = {u: r for u, r in prompts.items() if not math.isnan(r["bias_cosine"])}
+        row = {"policy": key[0], "parameters": key[1], "estimator": key[2], "budget": key[3], "prompts": len(prompts),
+               "prompts_with_bias": len(finite),
+               "bias_cosine": statistics.fmean(r["bias_cosine"] for r in finite.values()) if finite else math.nan,
+               "mean_cosine": statistics.fmean(r["mean_cosine"] for r in prompts.values()),
+               "noise_share": statistics.fmean(r["noise_share"] for r in prompts.values()),
+               "effective_responses": _finite_mean(r["effective_responses"] for r in prompts.values())}
+        suffix = _variant_suffix(key[2], (*WEIGHTED, POOLED))
+        for name, against in ((reference, reference), ("tree", key[2].removesuffix(suffix) if suffix else None)):
+            other = by_key.get((key[0], key[1], against, key[3])) if against and against != key[2] else None
+            shared = sorted(set(finite) & {u for u, r in (other or {}).items() if not math.isnan(r["bias_cosine"])})
+            if shared:
+                interval = paired_interval([finite[u]["bias_cosine"] - other[u]["bias_cosine"] for u in shared], unit="prompts")
+                row.update({f"bias_minus_{name}": interval.mean, f"bias_minus_{name}_low": interval.low,
+                            f"bias_minus_{name}_high": interval.high})
+        out.append(row)
+    return out
+
+
+def _finite_mean(values) -> float:
+    finite = [v for v in values if not math.isnan(v)]
+    return statistics.fmean(finite) if finite else math.nan
 
 
 def matching_rows(summary: list[dict], reference: str = "grpo") -> list[dict]:
@@ -666,6 +848,18 @@ def summarise(draws_csv: Path, output_dir: Path) -> list[dict]:
     _write_table(output_dir / "pooled.csv", ["policy", "prompt_set", "parameters", "tree", "budget", "prompts",
                                              "pooled_minus_own", "se", "low", "high", "detectable", "verdict"],
                  pooled_rows(draws_csv))
+    _write_table(output_dir / "weights.csv", ["policy", "prompt_set", "parameters", "tree", "variant", "budget", "prompts",
+                                              "variant_minus_own", "se", "low", "high", "detectable", "verdict"],
+                 variant_rows(draws_csv, tuple(WEIGHTED)))
+    bias = bias_rows(draws_csv)
+    _write_table(output_dir / "bias.csv", ["policy", "prompt_set", "parameters", "estimator", "budget", "prompt_uid",
+                                           "draws", "tokens", "bias_cosine", "mean_cosine", "noise_share",
+                                           "effective_responses", "cosine_of_mean_by_draws"], bias)
+    _write_table(output_dir / "bias_summary.csv", ["policy", "parameters", "estimator", "budget", "prompts",
+                                                   "prompts_with_bias", "bias_cosine", "mean_cosine", "noise_share",
+                                                   "effective_responses", "bias_minus_grpo", "bias_minus_grpo_low",
+                                                   "bias_minus_grpo_high", "bias_minus_tree", "bias_minus_tree_low",
+                                                   "bias_minus_tree_high"], bias_summary_rows(bias))
     _write_table(output_dir / "cost.csv", ["policy", "prompt_set", "reference_seconds", "draw_sample_seconds",
                                            "draw_gradient_seconds", "machine_hours"], cost_rows(draws_csv))
     gradient_plot(prompt_draws(draws_csv), output_dir / "cosine_vs_tokens.png")
@@ -674,7 +868,8 @@ def summarise(draws_csv: Path, output_dir: Path) -> list[dict]:
             extra = f"  minus grpo {row['minus_grpo']:+.3f} [{row['low']:+.3f}, {row['high']:+.3f}]" if row.get("low") is not None else ""
             print(f"gradients: {row['policy']} {row['estimator']:<24} {row['budget']:>6} tokens {row['tokens']:>7.0f} "
                   f"corrected cosine {row['corrected_cosine']:.3f}{extra}")
-    print(f"gradients: summary.csv, table.md, matching.csv, pooled.csv, cost.csv, cosine_vs_tokens.png in {output_dir}")
+    print(f"gradients: summary.csv, table.md, matching.csv, pooled.csv, weights.csv, bias.csv, bias_summary.csv, cost.csv, "
+          f"cosine_vs_tokens.png in {output_dir}")
     return summary
 
 

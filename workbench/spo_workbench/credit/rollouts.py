@@ -141,9 +141,10 @@ async def sample_rollouts(config, server, tokenizer, problems: Sequence[tuple[st
     return [leaf for group in groups for leaf in group]
 
 
-def _verl_advantages(leaves: list[Leaf], estimator: str, config, rows=None):
+def _verl_advantages(leaves: list[Leaf], estimator: str, config, rows=None, settings=None):
     """verl's ``compute_advantage`` over the leaves (one row each, the score on the last token);
-    returns the advantages (B, T) and, for SPO-tree, the batch context the estimator filled."""
+    returns the advantages (B, T) and, for SPO-tree, the batch context the estimator filled.
+    ``settings``: the SPO settings the estimator reads instead of the config's ``algorithm.spo``."""
     from verl import DataProto
     from verl.trainer.ppo.ray_trainer import compute_advantage
 
@@ -159,7 +160,7 @@ def _verl_advantages(leaves: list[Leaf], estimator: str, config, rows=None):
                                non_tensors={"uid": np.array([leaf.uid for leaf in leaves], dtype=object)})
     if rows is None:
         return compute_advantage(data, estimator, config=config.algorithm).batch["advantages"], None
-    with provide_spo_rows(rows) as context:
+    with provide_spo_rows(rows, settings) as context:
         advantages = compute_advantage(data, estimator, config=config.algorithm).batch["advantages"]
     return advantages, context
 
@@ -190,12 +191,24 @@ def _response_fields(leaf: Leaf, i: int, tokenizer, threshold: float, locate) ->
                 in_loss=tuple(in_loss), first_error=locate(leaf.uid, texts, leaf.score))
 
 
+def weighted_view(segment_weight: str) -> str:
+    """The view of a tree's leaves under ``algorithm.spo.tree.segment_weight`` (``spo_tree``: the paper's)."""
+    return "spo_tree" if segment_weight == "segment" else f"spo_tree_{segment_weight}"
+
+
 def tree_and_grpo_responses(leaves: list[Leaf], config, tokenizer, threshold: float,
-                            locate) -> dict[str, list[Response]]:
-    """Three views of the same leaves, by estimator: ``spo_tree`` (verl's advantage step with the
-    trees' metadata), ``spo_tree_pooled`` (the same segments, each value pooled over identical
-    prefixes: :func:`pooled_segment_values`) and ``grpo`` (verl's). ``locate(uid, tokens, score)``: the
-    first wrong token of a response given its tokens' texts (None for a right or unplaced one)."""
+                            locate, segment_weights: Sequence[str] = ()) -> dict[str, list[Response]]:
+    """Views of the same leaves, by estimator: ``spo_tree`` (verl's advantage step with the trees'
+    metadata), ``spo_tree_pooled`` (the same segments, each value pooled over identical prefixes:
+    :func:`pooled_segment_values`), ``grpo`` (verl's) and, for each of ``segment_weights`` but
+    ``segment``, :func:`weighted_view` (the estimator's advantages and trained mask under that
+    ``algorithm.spo.tree.segment_weight``, the same values and advantages weighted otherwise).
+    ``locate(uid, tokens, score)``: the first wrong token of a response given its tokens' texts (None
+    for a right or unplaced one)."""
+    import dataclasses
+
+    from spo_verl.adapters.settings import spo_settings
+
     from spo_verl.core.algorithms.tree_rows import build_forest
 
     rows = [leaf.output.extra_fields["spo"] for leaf in leaves]
@@ -206,6 +219,12 @@ def tree_and_grpo_responses(leaves: list[Leaf], config, tokenizer, threshold: fl
     # The leaf rewards the tree estimator used: a response cut by the length limit scores 0.
     rewards = [0.0 if row["truncated"] else leaf.score for row, leaf in zip(rows, leaves)]
     views: dict[str, list[Response]] = {"spo_tree": [], "spo_tree_pooled": [], "grpo": []}
+    settings = spo_settings(config.algorithm)
+    weighted = {}
+    for weight in dict.fromkeys(w for w in segment_weights if w != "segment"):
+        changed = dataclasses.replace(settings, tree=dataclasses.replace(settings.tree, segment_weight=weight))
+        weighted[weighted_view(weight)] = _verl_advantages(leaves, "spo_tree", config, rows, changed)
+        views[weighted_view(weight)] = []
     for i, leaf in enumerate(leaves):
         common = _response_fields(leaf, i, tokenizer, threshold, locate)
         length = len(common["tokens"])
@@ -220,6 +239,9 @@ def tree_and_grpo_responses(leaves: list[Leaf], config, tokenizer, threshold: fl
         views["spo_tree"].append(Response(advantages=tuple(per_token), trained=tuple(trained), **common))
         views["spo_tree_pooled"].append(Response(advantages=tuple(pooled_per_token), trained=tuple(trained), **common))
         views["grpo"].append(Response(advantages=tuple(float(a) for a in grpo_advantages[i, :length]), **common))
+        for view, (advantages, weighted_context) in weighted.items():
+            views[view].append(Response(advantages=tuple(float(a) for a in advantages[i, :length]),
+                                        trained=tuple(weighted_context.trained_mask[i, :length].bool().tolist()), **common))
     return views
 
 
