@@ -97,6 +97,7 @@ REFUSED_CHANGE = "actor_rollout_ref.actor.optim.lr=0.001"
 DIALOGUES = ("algorithm.spo.turns.environment=arithmetic_dialogue", "algorithm.spo.turns.max_turns=2",
              f"algorithm.spo.turns.max_turn_tokens={TURN_TOKENS}", "data.max_prompt_length=128", "data.max_response_length=96")
 TURN_TREES = 16
+PATHS_WEIGHT = "algorithm.spo.tree.segment_weight=paths"
 TURN_CASES = [
     # SPO-tree branching between turns on the legacy trainer (a leaf row per session), the setting's 3-3
     # tree: each of 3 first turns continued by 3 second turns. The tiny model gets 1-13 % of the
@@ -106,9 +107,12 @@ TURN_CASES = [
     # token budget. Then a launch that would resume it with another learning rate is refused: one run
     # per checkpoint folder. Not resumed: the legacy trainer's resume is verl's own checkpoint loading,
     # with no SPO code of its own (resuming is the v1 trainer's cases), and a second start here cost CI
-    # about two minutes of its 30.
+    # about two minutes of its 30. Each leaf path trained whole (segment_weight=paths), packed and
+    # checked per row: the study's, the README's and the rehearsals' trees train each segment once (the
+    # default), so this case is where the other weighting goes through verl's trainer.
     TrainerCase("legacy-spo_tree-turns", "run_spo_tree.sh", "spo_tree",
-                (*LEGACY, *CHECK, "algorithm.spo.tree.branch_at=turn", f"data.train_batch_size={TURN_TREES}"),
+                (*LEGACY, *CHECK, "algorithm.spo.tree.branch_at=turn", f"data.train_batch_size={TURN_TREES}",
+                 PATHS_WEIGHT),
                 BUDGET_STOP, dialogues=True, refused=(REFUSED_CHANGE,)),
     # SPO-chain over turns in verl's bfloat16 mixed precision (the GPU's precision path), packed, its first
     # update checked per row.
@@ -710,8 +714,19 @@ def test_over_turns_each_turn_is_a_segment_and_the_environments_tokens_are_out_o
             assert response["advantages"][segment["start"]:model_end] == pytest.approx([expected] * (model_end - segment["start"]), abs=1e-5)
         # The log marks exactly the replies as the environment's tokens (the report sets them apart).
         assert [i for i, flag in enumerate(response["environment"]) if flag] == replies
+        if PATHS_WEIGHT in case.overrides:  # every leaf row trains its whole path: no turn left to another row
+            assert all(segment["trained"] for segment in segments if segment["advantage"] != 0), segments
         checked += 1
     assert checked > 0
+    if PATHS_WEIGHT in case.overrides:  # some first turn shared by several leaves is trained in each of them
+        first_turns: dict[tuple, int] = {}
+        for record in records:
+            for r in record["responses"]:
+                first = r["segments"][0]
+                if first["trained"]:
+                    key = (record["step"], tuple(r["tokens"][first["start"]:first["end"]]))
+                    first_turns[key] = first_turns.get(key, 0) + 1
+        assert max(first_turns.values(), default=0) > 1
 
 
 def test_study_resumes_a_killed_run_and_skips_a_finished_one(runs):
