@@ -128,6 +128,22 @@ def test_the_tokens_each_estimator_needs_to_match_grpo_at_its_largest_budget(tmp
     assert [r["tokens_to_match"] for r in matching if r["prompt_set"] == "steps3"] == ["", "141.4"]
 
 
+def _kept_draws(path, draws):
+    """A draws.csv of ``(prompt_uid, estimator, cosine[, draw])`` rows: base policy, `steps4`, 6,000 tokens,
+    halves that agree perfectly (so the corrected cosine is the cosine)."""
+    import csv
+
+    columns = ["kind", "policy", "prompt_set", "parameters", "estimator", "budget", "draw", "prompt_uid", "tokens",
+               "cosine", "halves_cosine", "corrected_cosine", "sample_seconds", "gradient_seconds"]
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(columns)
+        for uid, estimator, value, *draw in draws:
+            writer.writerow(["draw", "base", "steps4", "last_blocks", estimator, 6000, draw[0] if draw else 0, uid, 6000,
+                             value, 1.0, value, 1.0, 1.0])
+    return path
+
+
 def test_each_tree_with_pooled_values_against_its_own_values_on_the_same_draws(tmp_path):
     """pooled.csv from a kept draws.csv: on three prompts the pooled tree's corrected cosine is 0.1, 0.2 and
     0.3 above the tree's own (one of its own draws a zero update, counting 0); a pooled tree without its
@@ -136,22 +152,12 @@ def test_each_tree_with_pooled_values_against_its_own_values_on_the_same_draws(t
 
     from spo_workbench.credit import gradients
 
-    columns = ["kind", "policy", "prompt_set", "parameters", "estimator", "budget", "draw", "prompt_uid", "tokens",
-               "cosine", "halves_cosine", "corrected_cosine", "sample_seconds", "gradient_seconds"]
-    draws = tmp_path / "draws.csv"
-    with open(draws, "w", newline="") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(columns)
-        for uid, own, pooled in (("a", 0.2, 0.3), ("b", 0.1, 0.3), ("c", 0.4, 0.7)):
+    kept = [(uid, estimator, value) for uid, own, pooled in (("a", 0.2, 0.3), ("b", 0.1, 0.3), ("c", 0.4, 0.7))
             for estimator, value in (("grpo", 0.5), ("spo_tree_6_6_6", own), ("spo_tree_6_6_6_pooled", pooled),
-                                     ("spo_tree_2_2_pooled", 0.9)):
-                writer.writerow(["draw", "base", "steps4", "last_blocks", estimator, 6000, 0, uid, 6000,
-                                 value, 1.0, value, 1.0, 1.0])
-        # Prompt c's second draw: the tree's own update is zero (0), the pooled one 0.7; c's means 0.2 and 0.7.
-        writer.writerow(["draw", "base", "steps4", "last_blocks", "spo_tree_6_6_6", 6000, 1, "c", 6000, "nan", 1.0,
-                         "nan", 1.0, 1.0])
-        writer.writerow(["draw", "base", "steps4", "last_blocks", "spo_tree_6_6_6_pooled", 6000, 1, "c", 6000, 0.7,
-                         1.0, 0.7, 1.0, 1.0])
+                                     ("spo_tree_2_2_pooled", 0.9))]
+    # Prompt c's second draw: the tree's own update is zero (0), the pooled one 0.7; c's means 0.2 and 0.7.
+    kept += [("c", "spo_tree_6_6_6", "nan", 1), ("c", "spo_tree_6_6_6_pooled", 0.7, 1)]
+    draws = _kept_draws(tmp_path / "draws.csv", kept)
     assert gradients.main(["--from-draws", str(draws), "--output-dir", str(tmp_path)]) == 0
     with open(tmp_path / "pooled.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))
@@ -173,17 +179,10 @@ def test_each_tree_under_another_segment_weighting_against_the_papers_on_the_sam
 
     from spo_workbench.credit import gradients
 
-    columns = ["kind", "policy", "prompt_set", "parameters", "estimator", "budget", "draw", "prompt_uid", "tokens",
-               "cosine", "halves_cosine", "corrected_cosine", "sample_seconds", "gradient_seconds"]
-    draws = tmp_path / "draws.csv"
-    with open(draws, "w", newline="") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(columns)
-        for uid, own, paths, root in (("a", 0.2, 0.5, 0.3), ("b", 0.4, 0.9, 0.5)):
-            for estimator, value in (("grpo", 0.8), ("spo_tree_6_6_6", own), ("spo_tree_6_6_6_paths", paths),
-                                     ("spo_tree_6_6_6_sqrt_paths", root), ("spo_tree_6_6_6_pooled", 0.1)):
-                writer.writerow(["draw", "base", "steps4", "last_blocks", estimator, 6000, 0, uid, 6000,
-                                 value, 1.0, value, 1.0, 1.0])
+    draws = _kept_draws(tmp_path / "draws.csv", [
+        (uid, estimator, value) for uid, own, paths, root in (("a", 0.2, 0.5, 0.3), ("b", 0.4, 0.9, 0.5))
+        for estimator, value in (("grpo", 0.8), ("spo_tree_6_6_6", own), ("spo_tree_6_6_6_paths", paths),
+                                 ("spo_tree_6_6_6_sqrt_paths", root), ("spo_tree_6_6_6_pooled", 0.1))])
     assert gradients.main(["--from-draws", str(draws), "--output-dir", str(tmp_path)]) == 0
     with open(tmp_path / "weights.csv", newline="") as handle:
         rows = [r for r in csv.DictReader(handle) if r["prompt_set"] == "all"]
