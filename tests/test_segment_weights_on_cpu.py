@@ -69,6 +69,9 @@ def test_batched_weights_are_the_reference_and_each_segment_counts_its_weight(we
                 assert trained.all() or not trained.any()  # a segment's tokens go together
                 carried += float(tokens[0]) if trained.all() else 0.0
         assert carried == pytest.approx(advantages[node] * reference[node], abs=1e-15), node
+    # The rows that train each segment: its owner alone under segment, every row through it otherwise.
+    copies = {"segment": [0, 1, 1, 1, 1, 1, 1, 1], "paths": [0, 4, 1, 2, 1, 1, 1, 1]}
+    assert result.node_copies.tolist() == copies["segment" if weighting == "segment" else "paths"]
 
 
 def test_worked_2_2_tree():

@@ -118,6 +118,9 @@ def chain_advantages(call: EstimatorCall) -> EstimatorResult:
 
 def _tree_advantage_metrics(result) -> dict[str, float]:
     metrics = {}
+    trained = result.node_copies > 0
+    if bool(trained.any()):  # 1 under segment_weight=segment; a shared segment trained in several rows raises it
+        metrics["spo/tree/rows_per_trained_segment"] = result.node_copies[trained].double().mean().item()
     depths, advantages = result.node_depths, result.node_advantages
     for depth in range(int(depths.max().item()) if depths.numel() else 0):  # leaves' values are rewards
         at_depth = result.node_values[depths == depth].double()

@@ -37,6 +37,7 @@ class TreeBatchAdvantages:
     node_advantages: torch.Tensor  # (N,)
     node_depths: torch.Tensor  # (N,) roots are depth 0
     node_weights: torch.Tensor  # (N,) float64 times each node's segment counts in the loss (0: root or untrained)
+    node_copies: torch.Tensor  # (N,) rows whose loss trains each node's segment (0: root or untrained)
 
 
 @dataclass
@@ -397,6 +398,8 @@ def tree_token_advantages(
         piece_trained[:, :width] if zero_untrained else present, copy_advantages[safe_node], 0.0
     ).to(rewards.dtype)
     token_advantages, trained = _spread_over_tokens(piece_advantages, piece_trained, end_table, response_mask)
+    node_copies = torch.zeros(parents.numel(), dtype=torch.long, device=device)
+    node_copies.scatter_add_(0, safe_node[piece_trained[:, :width]], torch.ones_like(safe_node[piece_trained[:, :width]]))
     return TreeBatchAdvantages(
         token_advantages=token_advantages,
         trained_mask=trained,
@@ -404,4 +407,5 @@ def tree_token_advantages(
         node_advantages=node_advantages,
         node_depths=node_depths_batched(parents),
         node_weights=node_weights,
+        node_copies=node_copies,
     )
