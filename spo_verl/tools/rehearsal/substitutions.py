@@ -14,7 +14,9 @@ from typing import Any
 from omegaconf import OmegaConf
 
 LENGTH_FACTOR = 4  # lengths divided by it (rounded up): a CPU generates and trains ~1/1000 of a GPU's tokens
-BATCH_FACTOR = 8  # prompts per step and per mini-batch divided by it: the optimizer steps per iteration kept
+# Prompts per step and per mini-batch divided by it, or by the largest of its divisors that divides both (a
+# GSM8K tree's mini-batch is 2 trees): the optimizer steps per iteration kept.
+BATCH_FACTOR = 8
 STEPS, RESUMED_STEPS = 2, 3  # trained, validated and checkpointed at step 2; the resumed run trains step 3
 
 # Lengths in tokens: the prompt and response limits and every token budget that the setting writes out.
@@ -74,6 +76,12 @@ def is_interpolation(config: Any, key: str) -> bool:
     return OmegaConf.is_interpolation(OmegaConf.select(config, parent) if parent else config, name)
 
 
+def batch_factor(shipped: Any) -> int:
+    """What the rehearsal divides the prompts of a step and of a mini-batch by: :data:`BATCH_FACTOR`, or its
+    largest divisor that divides both."""
+    return math.gcd(BATCH_FACTOR, *(OmegaConf.select(shipped, key) for key in BATCH_KEYS))
+
+
 def substitutions(shipped: Any, model: str, longest_prompt: int = 0) -> list[Substitution]:
     """The changes to ``shipped`` (the setting and algorithm as composed, unresolved) for this machine.
     ``longest_prompt``: the rehearsal's longest rendered prompt in its own tokenizer's tokens; the prompt
@@ -117,11 +125,9 @@ def substitutions(shipped: Any, model: str, longest_prompt: int = 0) -> list[Sub
                    f"prompt ({longest_prompt} tokens): the setting's limit filters by the real model's tokens")
         else:
             change(key, scaled_length(value), f"lengths divided by {LENGTH_FACTOR}")
+    factor = batch_factor(shipped)
     for key in BATCH_KEYS:
-        value = OmegaConf.select(shipped, key)
-        if value % BATCH_FACTOR:
-            raise ValueError(f"{key}={value} is not a multiple of the rehearsal's batch factor {BATCH_FACTOR}")
-        change(key, value // BATCH_FACTOR, f"prompts divided by {BATCH_FACTOR}")
+        change(key, OmegaConf.select(shipped, key) // factor, f"prompts divided by {factor}")
     change("trainer.total_training_steps", STEPS, f"{STEPS} steps (the resumed run: {RESUMED_STEPS})")
     change("trainer.save_freq", STEPS, f"a checkpoint at step {STEPS}, resumed from")
     change("trainer.test_freq", STEPS, f"a validation at step {STEPS}")
