@@ -28,7 +28,8 @@ from verl.utils.device import auto_set_device
 
 from recipe.spo.driver_config import prepare_for_ray
 from recipe.spo.launch_checks import check_launch, gpu_problem, needs_gpu
-from recipe.spo.resume_guard import record_configuration, resume_problem
+from recipe.spo.resume_guard import overwrite_problem, record_configuration, resume_problem
+from recipe.spo.run_lock import acquire, lock_problem
 from spo_verl.adapters.trainer.runners import run_with_one_restart, task_runner_for
 from spo_verl.adapters.trainer.validation import validate_spo_run
 
@@ -106,28 +107,60 @@ def main(config):
     if CHECK_ONLY:
         report_check(config, found, gpu, setting)
         return
-    record_configuration(config)
-    run_with_one_restart(run_ppo, config, task_runner_for(config))
+    with hold_checkpoint_folder(config):
+        record_configuration(config)
+        run_with_one_restart(run_ppo, config, task_runner_for(config))
+
+
+def hold_checkpoint_folder(config):
+    """The folder's lock for this driver while it trains. Taken after the checks, so two launches at once
+    both pass them and one gets the lock: the folder is checked once more under it."""
+    folder = config.trainer.default_local_dir
+    try:
+        lock, note = acquire(folder, command=" ".join(sys.argv))
+    except ValueError as error:
+        refuse(error)
+    if note is not None:
+        print(f"spo: checkpoints: {note}", flush=True)
+    try:
+        checkpoint_folder_or_exit(config, announce=False)
+    except SystemExit:
+        lock.release()
+        raise
+    return lock
 
 
 def checks_before_ray(config, setting: str, require_gpu: bool) -> tuple[list[str], str | None]:
-    """Everything checked before Ray, in the order a launch needs it: the configuration (then resolved
-    here, for every node: ``driver_config.py``), a GPU (the first thing a launch needs; ``--check`` reports
-    it instead), the model, data and attention kernel, then the checkpoint it would resume
-    (``resume_guard.py``). Returns what the checks found and why there is no usable GPU (None: there is,
-    or none is needed)."""
+    """Everything checked before Ray: the configuration (then resolved here, for every node:
+    ``driver_config.py``), the checkpoint folder (another run training into it: ``run_lock.py``; the
+    checkpoint it would resume, or another run's it would write over: ``resume_guard.py``; checked before
+    the GPU, which it does not need, so that a launch that must not run is told so wherever it is
+    started), a GPU (``--check`` reports it instead), then the model, data and attention kernel. Returns
+    what the checks found and why there is no usable GPU (None: there is, or none is needed)."""
     validate_or_exit(config)
     for note in prepare_for_ray(config):
         print(f"spo: {note}", flush=True)
+    folder = checkpoint_folder_or_exit(config)
     gpu = gpu_problem(config, setting)
     if gpu is not None and require_gpu:
         refuse(ValueError(gpu))
     found = launch_checks_or_exit(config)
-    refusal, resuming = resume_problem(config)
+    return [*found, *folder], gpu
+
+
+def checkpoint_folder_or_exit(config, announce: bool = True) -> list[str]:
+    """The checkpoint folder is this run's to write into, or the launch is refused with one line."""
+    folder = config.trainer.default_local_dir
+    refusal, in_use = lock_problem(folder)
+    if refusal is None:
+        refusal = overwrite_problem(config)
+    if refusal is None:
+        refusal, resuming = resume_problem(config)
     if refusal is not None:
         refuse(ValueError(refusal))
-    print(f"spo: checkpoints: {config.trainer.default_local_dir}: {resuming}", flush=True)
-    return [*found, f"checkpoints: {resuming}"], gpu
+    if announce:
+        print(f"spo: checkpoints: {folder}: {resuming}", flush=True)
+    return [f"checkpoints: {resuming}", f"checkpoint folder: {in_use}"]
 
 
 def take_check_flag(argv: list[str]) -> bool:
