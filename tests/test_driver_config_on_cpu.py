@@ -223,8 +223,10 @@ def test_a_folder_another_running_launch_holds_is_refused_naming_it_and_a_dead_h
     assert note is None
     refusal, _ = lock_problem(folder)
     assert refusal.startswith(f"trainer.default_local_dir={folder} is in use by another run: {folder / LOCK_FILE} names "
-                              f"pid {os.getpid()} on host {lock.holder['host']}, started {lock.holder['started']} "
-                              "(python -m recipe.spo.main_spo setting=cpu-tiny); process")
+                              f"pid {os.getpid()} on host {lock.holder['host']}, started {lock.holder['started']}; "
+                              "process")
+    # The lock file names the command too, for whoever opens it.
+    assert yaml.safe_load((folder / LOCK_FILE).read_text())["command"] == "python -m recipe.spo.main_spo setting=cpu-tiny"
     assert refusal.endswith(f"wait for that run to end, or, for a new run, {NEW_FOLDER}; if that run is gone, delete "
                             f"{folder / LOCK_FILE}")
     with pytest.raises(ValueError, match="is in use by another run"):

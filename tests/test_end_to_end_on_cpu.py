@@ -593,7 +593,9 @@ def test_readme_run_script_trains_the_real_model_on_cpu(runs):
     assert run.returncode == 0, run.failure()
     log = run.log.read_text()
     assert "no GPU visible: training the CPU default (SETTING=cpu-smollm2" in log
-    assert f"checkpoints -> {REPO}/checkpoints/spo/cpu-smollm2-spo_tree" in log
+    # A folder of its own under the experiment's, so that the README's command can be run again and again.
+    assert re.search(rf"checkpoints -> {re.escape(str(REPO))}/checkpoints/spo/cpu-smollm2-spo_tree/\d{{8}}-\d{{6}}$", log,
+                     re.MULTILINE)
     # vLLM loaded the package's plugin in its engine and worker processes: their spin-waits pause.
     for process in ("EngineCore", "VllmWorker-0"):
         assert f"spo_cpu: vLLM's queues in {process} pause 0.2 ms between looks" in log, process

@@ -232,3 +232,139 @@ def test_sdpa_lets_packed_rows_attend_to_each_other_which_is_why_remove_padding_
         alone = model(second).logits[0]
         packed = model(torch.cat([first, second], 1), position_ids=torch.cat([torch.arange(7), torch.arange(5)])[None]).logits[0]
     assert (packed[7:] - alone).abs().max() > 1e-2
+
+
+# --- one run per checkpoint folder, through the launcher and the entry point ------------------------------
+
+# Run A's own settings: cpu-tiny (a CPU setting: no GPU needed here) resuming automatically, as the cluster
+# settings do, under a cosine schedule, as they do, so that the step count sets the learning-rate schedule.
+RUN_A = ("trainer.resume_mode=auto", "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine")
+# A launch whose training is replaced by what verl's trainer leaves in the folder (a checkpoint and verl's
+# tracker, in seconds; tests/test_end_to_end_on_cpu.py trains for real), and which, while it "trains",
+# launches a second run into the same folder with --check, as a second user would. The rest is the entry
+# point's own: the checks, the lock, the record of the configuration.
+STUBBED_LAUNCH = """
+import json, os, runpy, subprocess, sys
+from pathlib import Path
+import spo_verl.adapters.trainer.runners as runners
+
+def train(run, config, runner):
+    folder = Path(config.trainer.default_local_dir)
+    (folder / "global_step_2").mkdir()
+    (folder / "latest_checkpointed_iteration.txt").write_text("2")
+    second = subprocess.run(json.loads(os.environ["SECOND_LAUNCH"]), capture_output=True, text=True)
+    Path(os.environ["SECOND_LAUNCH_OUT"]).write_text(json.dumps([second.returncode, second.stdout, second.stderr]))
+
+runners.run_with_one_restart = train
+sys.argv = ["recipe/spo/main_spo.py", *sys.argv[1:]]
+runpy.run_module("recipe.spo.main_spo", run_name="__main__", alter_sys=True)  # as python -m runs it
+"""
+
+
+def cpu_tiny_launch(cache, *args, **env):
+    """``bash scripts/run_spo_tree.sh`` on cpu-tiny as a user runs it (the launcher picks the checkout's .venv);
+    only the cache of the setting's model and data is the test's."""
+    environment = {key: value for key, value in os.environ.items() if key not in ("ALGORITHM", "PYTHON", "CHECKPOINT_DIR")}
+    environment.update(SETTING="cpu-tiny", SPO_CPU_CACHE=str(cache), **env)
+    return subprocess.run(["bash", str(REPO / "scripts" / "run_spo_tree.sh"), *args], env=environment,
+                          capture_output=True, text=True, timeout=300, cwd="/")
+
+
+def one_line(result) -> str:
+    """The refusal of a CPU setting's launch, which sends stdout and stderr through one console filter."""
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("spo: ")]
+    return lines[-1]
+
+
+def test_one_run_per_checkpoint_folder_through_the_launcher_and_the_entry_point(cpu_tiny_cache, tmp_path):
+    import json
+
+    folder = tmp_path / "run-a"
+    second_out = tmp_path / "second.json"
+    second = ["bash", str(REPO / "scripts" / "run_spo_tree.sh"), "--check", *RUN_A]
+    environment = {key: value for key, value in os.environ.items() if key not in ("ALGORITHM", "PYTHON")}
+    environment.update(SETTING="cpu-tiny", SPO_CPU_CACHE=str(cpu_tiny_cache), CHECKPOINT_DIR=str(folder),
+                       SECOND_LAUNCH=json.dumps(second), SECOND_LAUNCH_OUT=str(second_out))
+    launched_a = {**environment, "VERL_PLATFORM": "spo_cpu", "VERL_ENGINE_DEVICE": "cuda"}
+    # Run A, launched with the arguments and the platform variables the launcher passes for cpu-tiny into
+    # CHECKPOINT_DIR.
+    data = cpu_tiny_cache / "data"
+    first = subprocess.run([PYTHON, "-c", STUBBED_LAUNCH, "setting=cpu-tiny", "spo_algorithm=spo_tree",
+                            f"actor_rollout_ref.model.path={cpu_tiny_cache / 'model'}",
+                            f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'val.parquet'}",
+                            f"trainer.default_local_dir={folder}", *RUN_A],
+                           env=launched_a, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert first.returncode == 0, first.stderr[-3000:]
+    # While A trained, a second launch into its folder was refused by --check in one line, naming A.
+    returncode, stdout, stderr = json.loads(second_out.read_text())
+    assert returncode == 2, stdout[-2000:] + stderr[-2000:]
+    refusal = [line for line in (stdout + stderr).splitlines() if line.startswith("spo: ")][-1]
+    assert refusal.startswith(f"spo: trainer.default_local_dir={folder} is in use by another run: "
+                              f"{folder / 'spo_run.lock'} names pid {first_pid(first)} on host "), refusal
+    assert ", started 20" in refusal and "wait for that run to end" in refusal
+    assert not (folder / "spo_run.lock").exists()  # A released it when it ended
+    record = (folder / "spo_run_config.yaml").read_text()
+
+    # A restarted as it was: resumes, under a new experiment name too (names and trace names may change).
+    for env in ({}, {"EXPERIMENT_NAME": "renamed"}):
+        result = cpu_tiny_launch(cpu_tiny_cache, "--check", *RUN_A, CHECKPOINT_DIR=str(folder), **env)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert f"spo: check: checkpoints: resuming {folder / 'global_step_2'}, written under this same configuration" in result.stdout
+
+    # Another learning rate, or a step count that reshapes the cosine schedule, into A's folder: refused.
+    changed = cpu_tiny_launch(cpu_tiny_cache, "--check", *RUN_A, "actor_rollout_ref.actor.optim.lr=3e-4",
+                              CHECKPOINT_DIR=str(folder))
+    assert changed.returncode == 2
+    assert "was written under another configuration (1 setting(s) differ: actor_rollout_ref.actor.optim.lr: " in one_line(changed)
+    longer = cpu_tiny_launch(cpu_tiny_cache, "--check", *RUN_A, CHECKPOINT_DIR=str(folder), TOTAL_TRAINING_STEPS="9")
+    assert longer.returncode == 2
+    assert "(1 setting(s) differ: trainer.total_training_steps (the learning-rate schedule's length): 4 -> 9)" in one_line(longer)
+
+    # Resume off into A's folder, by --check and by a launch: refused before Ray, A's record untouched.
+    for check in (["--check"], []):
+        fresh = cpu_tiny_launch(cpu_tiny_cache, *check, *RUN_A, "trainer.resume_mode=disable",
+                                "actor_rollout_ref.actor.optim.lr=3e-4", CHECKPOINT_DIR=str(folder),
+                                VERL_FILE_LOGGER_PATH=str(tmp_path / "b.jsonl"), TENSORBOARD_DIR=str(tmp_path / "tb"))
+        assert fresh.returncode == 2, fresh.stdout[-3000:]
+        assert one_line(fresh).startswith(f"spo: trainer.default_local_dir={folder} holds another run's checkpoints "
+                                          "(global_step_2, latest_checkpointed_iteration.txt), and this launch "
+                                          "(trainer.resume_mode=disable) trains from the base model")
+        assert "Started a local Ray instance" not in fresh.stdout + fresh.stderr
+    assert (folder / "spo_run_config.yaml").read_text() == record
+    assert sorted(path.name for path in folder.iterdir()) == ["global_step_2", "latest_checkpointed_iteration.txt",
+                                                              "spo_run_config.yaml"]
+    # The refusals' way to a new run leads somewhere: a folder of its own.
+    own = cpu_tiny_launch(cpu_tiny_cache, "--check", *RUN_A, "actor_rollout_ref.actor.optim.lr=3e-4",
+                          CHECKPOINT_DIR=str(tmp_path / "run-b"))
+    assert own.returncode == 0 and "spo: check: checkpoints: training from the base model" in own.stdout
+
+
+def first_pid(result) -> int:
+    """The pid run A's lock named: the record of its launch, printed by the stub's entry point."""
+    import re
+
+    return int(re.search(r"^spo: checkpoints: lock taken by pid (\d+)", result.stdout, re.MULTILINE).group(1))
+
+
+def test_the_cpu_default_starts_again_and_again_each_run_in_a_folder_of_its_own(cpu_tiny_cache):
+    """The README's ``bash scripts/run_spo_tree.sh``, twice: a CPU setting trains from the base model at each
+    launch, so the launcher gives each launch a folder of its own; ``trainer.resume_mode=auto`` continues the
+    newest. (cpu-tiny, the quick CPU setting, with a name of its own so as not to meet a user's runs here.)"""
+    import shutil
+
+    experiment = REPO / "checkpoints" / "spo" / "test-cpu-default-twice"
+    earlier = experiment / "20260101-000000"
+    (earlier / "global_step_4").mkdir(parents=True)
+    (earlier / "latest_checkpointed_iteration.txt").write_text("4")
+    try:
+        again = cpu_tiny_launch(cpu_tiny_cache, "--check", EXPERIMENT_NAME=experiment.name)
+        assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+        folder = re.search(r"checkpoints -> (\S+)$", again.stdout, re.MULTILINE).group(1)
+        assert Path(folder).parent == experiment and Path(folder) != earlier
+        assert "spo: check: checkpoints: training from the base model" in again.stdout
+        resumed = cpu_tiny_launch(cpu_tiny_cache, "--check", "trainer.resume_mode=auto", EXPERIMENT_NAME=experiment.name)
+        assert resumed.returncode == 0, resumed.stdout[-3000:]
+        assert f"checkpoints -> {earlier}\n" in resumed.stdout
+        assert f"spo: check: checkpoints: resuming {earlier / 'global_step_4'}" in resumed.stdout
+    finally:
+        shutil.rmtree(experiment)

@@ -95,8 +95,8 @@ def report_check(config, found: list[str], gpu: str | None, setting: str) -> Non
         print(f"spo: check: {line}", flush=True)
     seen = gpu or ("this Python can train on the GPUs it sees" if needs_gpu(config) else "none needed (trainer.device=cpu)")
     print(f"spo: check: GPU: {seen}", flush=True)
-    print(f"spo: check passed: setting={setting}: the configuration, verl's own checks, the model, the data and the "
-          "attention kernel are ready; nothing was started", flush=True)
+    print(f"spo: check passed: setting={setting}: the configuration, verl's own checks, the checkpoint folder, the model, "
+          "the data and the attention kernel are ready; nothing was started", flush=True)
 
 
 @hydra.main(config_path="config", config_name="spo_trainer", version_base=None)
@@ -122,8 +122,10 @@ def hold_checkpoint_folder(config):
         refuse(error)
     if note is not None:
         print(f"spo: checkpoints: {note}", flush=True)
+    print(f"spo: checkpoints: lock taken by pid {lock.holder['pid']} on host {lock.holder['host']} ({lock.path}): no "
+          "other launch trains into this folder until this run ends", flush=True)
     try:
-        checkpoint_folder_or_exit(config, announce=False)
+        checkpoint_folder_or_exit(config, announce=False, holding_lock=True)
     except SystemExit:
         lock.release()
         raise
@@ -148,10 +150,10 @@ def checks_before_ray(config, setting: str, require_gpu: bool) -> tuple[list[str
     return [*found, *folder], gpu
 
 
-def checkpoint_folder_or_exit(config, announce: bool = True) -> list[str]:
+def checkpoint_folder_or_exit(config, announce: bool = True, holding_lock: bool = False) -> list[str]:
     """The checkpoint folder is this run's to write into, or the launch is refused with one line."""
     folder = config.trainer.default_local_dir
-    refusal, in_use = lock_problem(folder)
+    refusal, in_use = (None, "held by this launch") if holding_lock else lock_problem(folder)
     if refusal is None:
         refusal = overwrite_problem(config)
     if refusal is None:

@@ -79,8 +79,7 @@ def is_stale(holder: dict, now: float | None = None, host: str | None = None) ->
 
 
 def describe(holder: dict) -> str:
-    return (f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, started {holder.get('started', '?')}"
-            + (f" ({holder['command']})" if holder.get("command") else ""))
+    return f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, started {holder.get('started', '?')}"
 
 
 def lock_problem(folder: str | Path, now: float | None = None, host: str | None = None) -> tuple[str | None, str]:
