@@ -11,6 +11,11 @@
 # spo_verl/adapters/cpu_platform/). SETTING=cpu-tiny trains a tiny local model instead, in a third of the time.
 set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# A relative MODEL_PATH is the user's, from where they launched: made absolute before the launcher moves to
+# the repository root, where it would name another folder or be taken for a hub id.
+if [[ -n "${MODEL_PATH:-}" && "$MODEL_PATH" != /* && -d "$MODEL_PATH" ]]; then
+  MODEL_PATH="$(cd "$MODEL_PATH" && pwd)"
+fi
 cd "$repo_root"
 
 # The settings are the config group's files; the CPU ones are named cpu-*.
@@ -59,6 +64,14 @@ if [[ "$on_gpus" == 1 && "$composes_only" == 0 ]]; then
     echo "spo: SETTING=$SETTING trains on GPUs with PYTHON=$PYTHON, which is not found; set PYTHON to the cluster's Python" >&2
     exit 2
   fi
+fi
+# verl must be importable by that Python, or the entry point ends in an import traceback. find_spec does
+# not import it: a fraction of a second, not verl's import time.
+if command -v "$PYTHON" >/dev/null 2>&1 && ! "$PYTHON" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("verl") is None)' 2>/dev/null; then
+  echo "spo: PYTHON=$PYTHON ($(command -v "$PYTHON")) has no verl: install it and spo-verl into that Python (pip install 'verl[vllm]==0.9.1' && pip install -e $repo_root; docs/CLUSTER.md, \"Install next to your verl\"), or set PYTHON to the Python that has them" >&2
+  exit 2
+fi
+if [[ "$on_gpus" == 1 && "$composes_only" == 0 ]]; then
   # Before importing verl, so a CPU environment on a GPU node costs a second; --check reports it instead.
   if [[ "$check_only" == 0 ]]; then
     "$PYTHON" "$repo_root/spo_verl/tools/gpu_environment.py" "$SETTING" || exit 2

@@ -4,8 +4,8 @@ flash-attn is refused before Ray with one line naming it.
 
 What this machine forces, and only that: ``MODEL_PATH`` and ``DATA_DIR`` (the documented variables) point
 at a tiny local model and at problems written by ``scripts/prepare_data.sh``, since no hub is reachable;
-``PYTHON`` names the Python running the tests (the set-up's .venv), this machine's only Python with verl
-(a cluster's is its python3).
+the Python running the tests (the set-up's .venv), this machine's only Python with verl, is first on
+``PATH``, as an activated environment puts it (a cluster's python3 is its own).
 """
 
 import os
@@ -63,11 +63,16 @@ def setting_models(tmp_path_factory):
     return models
 
 
-def check(script, *args, **env):
+def activated_path() -> str:
+    """``PATH`` with the tests' Python environment first: its ``python3`` is the one the launcher runs."""
+    return f"{Path(PYTHON).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+def check(script, *args, cwd="/", **env):
     environment = {key: value for key, value in os.environ.items() if key not in ("SETTING", "ALGORITHM", "PYTHON")}
-    environment.update(PYTHON=PYTHON, **env)
+    environment.update(PATH=activated_path(), **env)
     return subprocess.run(["bash", str(REPO / "scripts" / script), *args], env=environment, capture_output=True,
-                          text=True, timeout=300, cwd="/")
+                          text=True, timeout=300, cwd=cwd)
 
 
 def refusal(result) -> str:
@@ -207,7 +212,8 @@ def test_flash_attention_is_required_where_torch_is_a_cuda_build(monkeypatch):
     assert str(refused.value) == ("actor_rollout_ref.model.override_config.attn_implementation=flash_attention_2 needs "
                                   f"flash-attn, which this Python does not have: {FLASH_ATTN_INSTALL}")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else real_find_spec(name, *a))
-    assert check_attention(attention_config(), cuda_torch()) == ["attention: flash_attention_2 (flash-attn installed)"]
+    monkeypatch.setitem(sys.modules, "flash_attn", SimpleNamespace())  # a flash-attn that imports
+    assert check_attention(attention_config(), cuda_torch()) == ["attention: flash_attention_2 (flash-attn imports)"]
     # A CPU build of torch cannot have flash-attn: reported, with what the GPU Python needs.
     [line] = check_attention(attention_config(), cuda_torch(cuda=None))
     assert "flash-attn not checked" in line and FLASH_ATTN_INSTALL in line
@@ -368,3 +374,111 @@ def test_the_cpu_default_starts_again_and_again_each_run_in_a_folder_of_its_own(
         assert f"spo: check: checkpoints: resuming {earlier / 'global_step_4'}" in resumed.stdout
     finally:
         shutil.rmtree(experiment)
+
+
+def test_a_flash_attn_that_is_installed_but_does_not_import_is_refused(tmp_path, monkeypatch):
+    """A build against another torch fails when its kernels load: found by find_spec, refused by the import."""
+    package = tmp_path / "flash_attn"
+    package.mkdir()
+    (package / "__init__.py").write_text('raise ImportError("flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDevice")\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    with pytest.raises(ValueError) as refused:
+        check_attention(attention_config(), cuda_torch())
+    assert str(refused.value) == (
+        "actor_rollout_ref.model.override_config.attn_implementation=flash_attention_2 needs flash-attn, which is "
+        "installed but does not import in this Python (ImportError: flash_attn_2_cuda.so: undefined symbol: "
+        f"_ZN3c104cuda9SetDevice); rebuild it against this torch: pip uninstall -y flash-attn && {FLASH_ATTN_INSTALL}")
+
+
+def test_more_gpus_per_node_than_the_node_sees_is_refused_where_it_sees_any():
+    """A CUDA torch seeing 4 GPUs (none here: a stand-in, as above) and a login node seeing none."""
+    from recipe.spo.launch_checks import check_gpu_count
+
+    def seeing(count):
+        torch_module = cuda_torch()
+        torch_module.cuda = SimpleNamespace(device_count=lambda: count)
+        return torch_module
+
+    config = OmegaConf.create({"trainer": {"device": "cuda", "n_gpus_per_node": 8}})
+    with pytest.raises(ValueError) as refused:
+        check_gpu_count(config, seeing(4))
+    assert str(refused.value).startswith("trainer.n_gpus_per_node=8 (GPUS_PER_NODE) but this node sees 4 GPU(s) "
+                                         "(CUDA_VISIBLE_DEVICES=")
+    assert str(refused.value).endswith("set GPUS_PER_NODE to at most 4, or launch on a node with 8")
+    assert check_gpu_count(config, seeing(8)) == ["GPUs per node: trainer.n_gpus_per_node=8, this node sees 8"]
+    assert check_gpu_count(config, seeing(0)) == ["GPUs per node: not checked (this node sees no GPU)"]
+
+
+def test_mis_launches_that_would_fail_on_the_cluster_are_refused_by_check_in_one_line(data_dir, setting_models, tmp_path):
+    """Each through the script as a user runs it, refused before Ray with one line and exit status 2."""
+    # Several nodes without a cluster to join, by the variable or by Hydra.
+    expected = "spo: trainer.nnodes=2 (NNODES) needs a running Ray cluster of 2 nodes to join, and this launch names none"
+    for args, env in (((), {"NNODES": "2"}), (("trainer.nnodes=2",), {})):
+        result = check("run_spo_tree.sh", "--check", *args, DATA_DIR=str(data_dir), **env)
+        assert result.returncode == 2 and refusal(result).startswith(expected), result.stderr[-2000:]
+        assert "+ray_kwargs.ray_init.address=auto" in refusal(result)
+    # As docs/CLUSTER.md launches it, joining a cluster: that check passes (the model and data are checked next).
+    joined = check("run_spo_tree.sh", "--check", "+ray_kwargs.ray_init.address=auto", NNODES="2",
+                   MODEL_PATH=setting_models["math-r1-1.5b"], DATA_DIR=str(data_dir))
+    if not TORCH_IS_A_CUDA_BUILD:
+        assert joined.returncode == 0, joined.stderr[-3000:]
+        assert "nodes=2" in joined.stdout and "spo: check passed: setting=math-r1-1.5b" in joined.stdout
+
+    # verl's own batch rule, which it asserts: GSM8K's 64 x 8 rows a step over 3 GPUs.
+    result = check("run_grpo.sh", "--check", GPUS_PER_NODE="3", SETTING="gsm8k-rhomath-1.1b", ALGORITHM="grpo",
+                   DATA_DIR=str(data_dir))
+    assert result.returncode == 2
+    assert refusal(result) == (
+        "spo: verl's configuration check (verl.utils.config.validate_config) refused it: data.train_batch_size=64 x "
+        "actor_rollout_ref.rollout.n=8 = 512 rows a step must divide evenly over the trainer.n_gpus_per_node=3 "
+        "(GPUS_PER_NODE) x trainer.nnodes=1 (NNODES) = 3 GPUs; GPU counts up to 64 that divide 512: 1, 2, 4, 8, 16, "
+        "32, 64 (or change data.train_batch_size)")
+    assert "Traceback" not in result.stderr
+    # verl's other refusals name the keys its message is about.
+    result = check("run_grpo.sh", "--check", "actor_rollout_ref.actor.use_dynamic_bsz=false",
+                   "actor_rollout_ref.actor.ppo_mini_batch_size=128", SETTING="gsm8k-rhomath-1.1b", ALGORITHM="grpo",
+                   DATA_DIR=str(data_dir))
+    assert result.returncode == 2
+    line = refusal(result)
+    assert line.startswith("spo: verl's configuration check (verl.utils.config.validate_config) refused it: ")
+    assert "data.train_batch_size=64" in line and "actor_rollout_ref.actor.ppo_mini_batch_size=" in line, line
+
+    # A relative MODEL_PATH is read from where the user launches; one that exists nowhere is no hub id.
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "r1").symlink_to(setting_models["math-r1-1.5b"])
+    found = check("run_spo_tree.sh", "--check", MODEL_PATH="models/r1", DATA_DIR=str(data_dir), cwd=tmp_path)
+    if not TORCH_IS_A_CUDA_BUILD:
+        assert found.returncode == 0, found.stderr[-3000:]
+        assert f"spo: check: actor_rollout_ref.model.path={tmp_path}/models/r1: model and tokenizer load" in found.stdout
+    missing = check("run_spo_tree.sh", "--check", MODEL_PATH="recipe/r1-sft", DATA_DIR=str(data_dir), cwd=tmp_path)
+    assert missing.returncode == 2
+    assert refusal(missing).startswith(f"spo: actor_rollout_ref.model.path=recipe/r1-sft: no such model folder (read from "
+                                       f"the working directory: {REPO}/recipe/r1-sft)")
+
+
+def test_a_python_without_verl_first_on_path_is_named_with_the_install_line(tmp_path):
+    """A cluster user's python3 without verl (here: this machine's Python, isolated from every site-packages)."""
+    shim = tmp_path / "bin" / "python3"
+    shim.parent.mkdir()
+    shim.write_text(f"#!/bin/sh\nexec {sys._base_executable} -I -S \"$@\"\n")
+    shim.chmod(0o755)
+    environment = {key: value for key, value in os.environ.items() if key not in ("SETTING", "ALGORITHM", "PYTHON")}
+    environment["PATH"] = f"{shim.parent}{os.pathsep}{environment.get('PATH', '')}"
+    result = subprocess.run(["bash", str(REPO / "scripts" / "run_spo_tree.sh"), "--check"], env=environment,
+                            capture_output=True, text=True, timeout=60, cwd="/")
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        f"spo: PYTHON=python3 ({shim}) has no verl: install it and spo-verl into that Python (pip install "
+        f"'verl[vllm]==0.9.1' && pip install -e {REPO}; docs/CLUSTER.md, \"Install next to your verl\"), or set "
+        "PYTHON to the Python that has them"]
+
+
+def test_overrides_compose_before_and_after_cfg_job_and_check():
+    environment = {key: value for key, value in os.environ.items() if key not in ("ALGORITHM", "PYTHON", "EXPERIMENT_NAME")}
+    environment.update(SETTING="math-r1-1.5b", PATH=activated_path())
+    for args in (("--cfg", "job", "trainer.experiment_name=after"), ("trainer.experiment_name=after", "--cfg", "job")):
+        result = subprocess.run(["bash", str(REPO / "scripts" / "run_spo_tree.sh"), *args], env=environment,
+                                capture_output=True, text=True, timeout=300, cwd="/")
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert f"default_local_dir: {REPO}/checkpoints/spo/after" in result.stdout, args

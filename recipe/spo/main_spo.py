@@ -15,11 +15,14 @@ status 2; ``SPO_DEBUG=1`` raises the error instead, with its traceback.
 """
 
 import os
+import re
 import sys
 
 import hydra
 import verl
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from verl.trainer.main_ppo import run_ppo
 from verl.trainer.ppo.utils import need_critic, need_reference_policy
@@ -50,15 +53,83 @@ def warn_if_another_verl(version: str = verl.__version__) -> bool:
     return True
 
 
+# verl's own checks (``validate_config`` and its configuration classes, built through OmegaConf and Hydra)
+# refuse with assertions and OmegaConf's or Hydra's errors as well as ValueError.
+VERL_REFUSALS = (ValueError, AssertionError, TypeError, OmegaConfBaseException, HydraException)
+VERL_CHECK = "verl's configuration check (verl.utils.config.validate_config) refused it"
+# verl's batch rule on FSDP: every step's rows split evenly over all GPUs.
+BATCH_RULE = re.compile(r"real_train_batch_size \((\d+)\) must be divisible by minimal possible batch size \((\d+)\)")
+MOST_GPUS_LISTED = 64
+
+
 def validate_or_exit(config) -> None:
     """Validate before Ray starts; a refusal exits with one line (Hydra would print its own "Error
     executing job" and a traceback for it; a SystemExit passes through Hydra untouched)."""
     try:
         auto_set_device(config)
         validate_spo_run(config)
-        validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     except ValueError as error:
         refuse(error)
+    try:
+        validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    except VERL_REFUSALS as error:
+        refuse(error, verl_refusal(error, config))
+    refuse_nodes_without_a_cluster(config)
+
+
+def verl_refusal(error: BaseException, config) -> str:
+    """verl's refusal on one line, with the keys it is about and their values (its messages name its own
+    variables, not the keys a user sets)."""
+    reason = refusal_line(error).removeprefix("spo: ")
+    batch = BATCH_RULE.search(reason)
+    if batch:
+        rows, gpus = int(batch.group(1)), int(batch.group(2))
+        trainer, data = config.trainer, config.data
+        allowed = [count for count in range(1, MOST_GPUS_LISTED + 1) if rows % count == 0]
+        return (f"{VERL_CHECK}: data.train_batch_size={data.train_batch_size} x actor_rollout_ref.rollout.n="
+                f"{config.actor_rollout_ref.rollout.n} = {rows} rows a step must divide evenly over the "
+                f"trainer.n_gpus_per_node={trainer.n_gpus_per_node} (GPUS_PER_NODE) x trainer.nnodes={trainer.nnodes} "
+                f"(NNODES) = {gpus} GPUs; GPU counts up to {MOST_GPUS_LISTED} that divide {rows}: "
+                f"{', '.join(map(str, allowed))} (or change data.train_batch_size)")
+    named = keys_named_in(reason, config)
+    return f"{VERL_CHECK}: {reason}" + (f" (the keys: {', '.join(named)})" if named else "")
+
+
+def keys_named_in(reason: str, config) -> list[str]:
+    """``key=value`` for each configuration key whose last part the message names (verl's messages use
+    the field names of its configuration classes), in the sections verl validates."""
+    try:
+        container = OmegaConf.to_container(config, resolve=True)
+    except OmegaConfBaseException:
+        return []
+    found = []
+
+    def walk(node, prefix):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, f"{prefix}.{key}" if prefix else str(key))
+        elif re.search(rf"\b{re.escape(prefix.rsplit('.', 1)[-1])}\b", reason) and "_" in prefix.rsplit(".", 1)[-1]:
+            found.append(f"{prefix}={node}")
+
+    for section in ("data", "trainer", "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "critic"):
+        node = container
+        for part in section.split("."):
+            node = node.get(part, {}) if isinstance(node, dict) else {}
+        walk(node, section)
+    return found[:6]
+
+
+def refuse_nodes_without_a_cluster(config) -> None:
+    """Several nodes train only in a Ray cluster started on them, which the launch joins: without an address
+    it would start a Ray of its own on this node and wait for the other nodes' GPUs for ever."""
+    nodes = config.trainer.nnodes
+    ray_init = (config.get("ray_kwargs") or {}).get("ray_init") or {}
+    if nodes > 1 and not (ray_init.get("address") or os.environ.get("RAY_ADDRESS")):
+        refuse(ValueError(
+            f"trainer.nnodes={nodes} (NNODES) needs a running Ray cluster of {nodes} nodes to join, and this launch "
+            "names none: start Ray on every node (ray start --head on this one, ray start --address=<head>:6379 on the "
+            "others) and launch with +ray_kwargs.ray_init.address=auto (or RAY_ADDRESS=<head>:6379); on one node, "
+            "NNODES=1 (docs/CLUSTER.md, \"Several nodes\")"))
 
 
 def launch_checks_or_exit(config) -> list[str]:
@@ -69,19 +140,24 @@ def launch_checks_or_exit(config) -> list[str]:
         refuse(error)
 
 
-def refuse(error: ValueError):
+def refuse(error: BaseException, line: str | None = None):
+    """Exit with the refusal on one line (``line``, else the error's own message)."""
     if os.environ.get(DEBUG_VARIABLE, "") not in ("", "0"):
         raise error
-    print(refusal_line(error), file=sys.stderr, flush=True)
+    print(refusal_line(error) if line is None else "spo: " + line, file=sys.stderr, flush=True)
     sys.exit(REFUSED_EXIT_STATUS)
 
 
-def refusal_line(error: ValueError) -> str:
+def refusal_line(error: BaseException) -> str:
     """The reason on one line. A check that fails while OmegaConf resolves an interpolation (the tree's
-    rollout.n) reaches here wrapped in OmegaConf's error: its own message is the reason."""
-    if isinstance(error, OmegaConfBaseException) and isinstance(error.__cause__, ValueError):
+    rollout.n) or builds a configuration class reaches here wrapped in OmegaConf's or Hydra's error: the
+    wrapped error's own message is the reason."""
+    while isinstance(error, (OmegaConfBaseException, HydraException)) and isinstance(error.__cause__, (ValueError, AssertionError)):
         error = error.__cause__
-    return "spo: " + " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    if isinstance(error, AssertionError):
+        text = text or "an assertion without a message"
+    return "spo: " + text
 
 
 def chosen_setting() -> str:
@@ -172,8 +248,37 @@ def take_check_flag(argv: list[str]) -> bool:
     return present
 
 
+# Hydra's flags that take a value, and --info's optional one.
+HYDRA_VALUE_FLAGS = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
+                     "--config-dir", "-cd", "--experimental-rerun", "--shell-completion", "-sc"}
+HYDRA_INFO_FLAGS = {"--info", "-i"}
+HYDRA_INFO_VALUES = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}
+
+
+def hydra_flags_last(argv: list[str]) -> None:
+    """Put Hydra's flags (with their values) after the overrides: Hydra's argument parser takes the overrides
+    only before a flag (``--cfg job key=value`` is refused there), while a user writes them on either side,
+    and the launcher appends its own overrides' extra arguments after the ones it sets."""
+    overrides, flags = [], []
+    arguments = iter(argv[1:])
+    for argument in arguments:
+        if not argument.startswith("-"):
+            overrides.append(argument)
+            continue
+        flags.append(argument)
+        if argument in HYDRA_VALUE_FLAGS:
+            flags.append(next(arguments, ""))
+        elif argument in HYDRA_INFO_FLAGS:
+            rest = list(arguments)
+            if rest and rest[0] in HYDRA_INFO_VALUES:
+                flags.append(rest.pop(0))
+            arguments = iter(rest)
+    argv[1:] = [*overrides, *[flag for flag in flags if flag != ""]]
+
+
 CHECK_ONLY = False
 
 if __name__ == "__main__":
     CHECK_ONLY = take_check_flag(sys.argv)
+    hydra_flags_last(sys.argv)
     main()
