@@ -435,6 +435,15 @@ def test_mis_launches_that_would_fail_on_the_cluster_are_refused_by_check_in_one
         "(GPUS_PER_NODE) x trainer.nnodes=1 (NNODES) = 3 GPUs; GPU counts up to 64 that divide 512: 1, 2, 4, 8, 16, "
         "32, 64 (or change data.train_batch_size)")
     assert "Traceback" not in result.stderr
+    # GSM8K's fixed micro-batches of 8 rows (the reference's whitening groups) on 16 GPUs: 4 rows a GPU.
+    result = check("run_grpo.sh", "--check", GPUS_PER_NODE="16", SETTING="gsm8k-rhomath-1.1b", ALGORITHM="grpo_prob_mask",
+                   DATA_DIR=str(data_dir))
+    assert result.returncode == 2
+    assert refusal(result) == (
+        "spo: actor_rollout_ref.actor.ppo_mini_batch_size=8 x actor_rollout_ref.rollout.n=8 = 64 rows an optimizer step "
+        "over trainer.n_gpus_per_node=16 (GPUS_PER_NODE) x trainer.nnodes=1 (NNODES) = 16 GPUs is not a whole number of "
+        "micro-batches of actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8 rows on each: GPU counts that are: "
+        "1, 2, 4, 8")
     # verl's other refusals name the keys its message is about.
     result = check("run_grpo.sh", "--check", "actor_rollout_ref.actor.use_dynamic_bsz=false",
                    "actor_rollout_ref.actor.ppo_mini_batch_size=128", SETTING="gsm8k-rhomath-1.1b", ALGORITHM="grpo",

@@ -75,6 +75,30 @@ def validate_or_exit(config) -> None:
     except VERL_REFUSALS as error:
         refuse(error, verl_refusal(error, config))
     refuse_nodes_without_a_cluster(config)
+    refuse_uneven_micro_batches(config)
+
+
+def refuse_uneven_micro_batches(config) -> None:
+    """With micro-batches of a set number of rows (``use_dynamic_bsz=false``), an optimizer step's rows
+    (``ppo_mini_batch_size`` x ``rollout.n``) must split evenly over the GPUs (verl's actor worker asserts
+    it, after Ray and the models are up) and then into whole micro-batches: the reference loss whitens over
+    each micro-batch (docs/FIDELITY.md, item 6), so a short last one would be a group of another size."""
+    actor = config.actor_rollout_ref.actor
+    micro = actor.get("ppo_micro_batch_size_per_gpu", None)
+    if actor.use_dynamic_bsz or not micro:
+        return
+    rows = actor.ppo_mini_batch_size * config.actor_rollout_ref.rollout.n
+    trainer = config.trainer
+    gpus = trainer.n_gpus_per_node * trainer.nnodes
+    if rows % gpus == 0 and (rows // gpus) % micro == 0:
+        return
+    allowed = [count for count in range(1, MOST_GPUS_LISTED + 1) if rows % count == 0 and (rows // count) % micro == 0]
+    refuse(ValueError(
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={actor.ppo_mini_batch_size} x actor_rollout_ref.rollout.n="
+        f"{config.actor_rollout_ref.rollout.n} = {rows} rows an optimizer step over trainer.n_gpus_per_node="
+        f"{trainer.n_gpus_per_node} (GPUS_PER_NODE) x trainer.nnodes={trainer.nnodes} (NNODES) = {gpus} GPUs is not a "
+        f"whole number of micro-batches of actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro} rows on each: "
+        f"GPU counts that are: {', '.join(map(str, allowed)) or 'none'}"))
 
 
 def verl_refusal(error: BaseException, config) -> str:
