@@ -135,7 +135,13 @@ def keys_named_in(reason: str, config) -> list[str]:
         elif re.search(rf"\b{re.escape(prefix.rsplit('.', 1)[-1])}\b", reason) and "_" in prefix.rsplit(".", 1)[-1]:
             found.append(f"{prefix}={node}")
 
+    # verl prefixes a field of the actor's or the critic's configuration with "actor." or "[critic]": where the
+    # message names one of them, the other's field of the same name is not meant.
+    sides = {"actor_rollout_ref.actor": "actor", "critic": "critic"}
+    named_sides = {side for side in sides.values() if re.search(rf"\b{side}\b", reason)}
     for section in ("data", "trainer", "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "critic"):
+        if named_sides and section in sides and sides[section] not in named_sides:
+            continue
         node = container
         for part in section.split("."):
             node = node.get(part, {}) if isinstance(node, dict) else {}
