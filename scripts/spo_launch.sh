@@ -11,6 +11,11 @@
 # spo_verl/adapters/cpu_platform/). SETTING=cpu-tiny trains a tiny local model instead, in a third of the time.
 set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# A relative MODEL_PATH is the user's, from where they launched: made absolute before the launcher moves to
+# the repository root, where it would name another folder or be taken for a hub id.
+if [[ -n "${MODEL_PATH:-}" && "$MODEL_PATH" != /* && -d "$MODEL_PATH" ]]; then
+  MODEL_PATH="$(cd "$MODEL_PATH" && pwd)"
+fi
 cd "$repo_root"
 
 # The settings are the config group's files; the CPU ones are named cpu-*.
@@ -59,6 +64,14 @@ if [[ "$on_gpus" == 1 && "$composes_only" == 0 ]]; then
     echo "spo: SETTING=$SETTING trains on GPUs with PYTHON=$PYTHON, which is not found; set PYTHON to the cluster's Python" >&2
     exit 2
   fi
+fi
+# verl must be importable by that Python, or the entry point ends in an import traceback. find_spec does
+# not import it: a fraction of a second, not verl's import time.
+if command -v "$PYTHON" >/dev/null 2>&1 && ! "$PYTHON" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("verl") is None)' 2>/dev/null; then
+  echo "spo: PYTHON=$PYTHON ($(command -v "$PYTHON")) has no verl: install it and spo-verl into that Python (pip install 'verl[vllm]==0.9.1' && pip install -e $repo_root; docs/CLUSTER.md, \"Install next to your verl\"), or set PYTHON to the Python that has them" >&2
+  exit 2
+fi
+if [[ "$on_gpus" == 1 && "$composes_only" == 0 ]]; then
   # Before importing verl, so a CPU environment on a GPU node costs a second; --check reports it instead.
   if [[ "$check_only" == 0 ]]; then
     "$PYTHON" "$repo_root/spo_verl/tools/gpu_environment.py" "$SETTING" || exit 2
@@ -95,10 +108,27 @@ done
 # Absolute paths: verl's workers on other nodes resolve a relative one against their own working
 # directory. On several nodes, put them (or the repository) on a file system every node shares.
 absolute() { [[ "$1" == /* ]] && echo "$1" || echo "$repo_root/$1"; }
+launch_time="$(date +%Y%m%d-%H%M%S)"
+if [[ -z "${CHECKPOINT_DIR:-}" && "$SETTING" == cpu-* ]]; then
+  # A CPU setting trains from the base model at every launch (its trainer.resume_mode=disable), and a launch
+  # may not write over another run's checkpoints (recipe/spo/resume_guard.py): so that the README's run
+  # can be started again and again, each such launch gets a folder of its own under the experiment's. With
+  # trainer.resume_mode=auto among the arguments, the newest of them is resumed (the last run continued).
+  experiment_folder="checkpoints/${PROJECT_NAME}/${EXPERIMENT_NAME}"
+  resume_mode=disable
+  for argument in "$@"; do
+    [[ "$argument" == trainer.resume_mode=* ]] && resume_mode="${argument#*=}"
+  done
+  CHECKPOINT_DIR="$experiment_folder/$launch_time"
+  if [[ "$resume_mode" != disable ]]; then
+    newest="$(ls -d "$repo_root/$experiment_folder"/[0-9]*-[0-9]*/ 2>/dev/null | sort | tail -n 1)"
+    [[ -n "$newest" ]] && CHECKPOINT_DIR="${newest%/}"
+  fi
+fi
 CHECKPOINT_DIR="$(absolute "${CHECKPOINT_DIR:-checkpoints/${PROJECT_NAME}/${EXPERIMENT_NAME}}")"
 export TENSORBOARD_DIR="$(absolute "${TENSORBOARD_DIR:-tensorboard_log/${PROJECT_NAME}/${EXPERIMENT_NAME}}")"
 # verl's file logger: one JSON line per step, read back for the summary at the end.
-export VERL_FILE_LOGGER_PATH="$(absolute "${VERL_FILE_LOGGER_PATH:-logs/${PROJECT_NAME}/${EXPERIMENT_NAME}/metrics-$(date +%Y%m%d-%H%M%S).jsonl}")"
+export VERL_FILE_LOGGER_PATH="$(absolute "${VERL_FILE_LOGGER_PATH:-logs/${PROJECT_NAME}/${EXPERIMENT_NAME}/metrics-$launch_time.jsonl}")"
 [[ "$check_only" == 1 ]] || mkdir -p "$(dirname "$VERL_FILE_LOGGER_PATH")"
 # Known-harmless warnings every verl process prints at import (engines this install does not use).
 export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore:torchtitan engine is not available,ignore:veomni engine is not available,ignore:automodel engine is not available,ignore:mindspeed engine is not available,ignore:megatron engine is not available}"

@@ -11,8 +11,9 @@ import yaml
 from omegaconf import OmegaConf
 
 from recipe.spo.driver_config import FORWARDED_VARIABLES, PATH_KEYS, forwarded_variables, prepare_for_ray
-from recipe.spo.resume_guard import (FORCE_KEY, RECORD_FILE, checkpoint_to_resume, comparable, differences,
-                                     record_configuration, resume_problem)
+from recipe.spo.resume_guard import (FORCE_KEY, NEW_FOLDER, RECORD_FILE, SCHEDULE_LENGTH, checkpoint_to_resume,
+                                     comparable, differences, overwrite_problem, record_configuration, resume_problem)
+from recipe.spo.run_lock import LOCK_FILE, STALE_AFTER_S, acquire, lock_problem
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE_CONFIG = REPO / "recipe" / "spo" / "config"
@@ -105,7 +106,8 @@ def test_a_changed_configuration_is_refused_naming_each_change_and_both_ways_out
     assert refusal.startswith(f"{tmp_path / 'run' / 'global_step_2'} was written under another configuration")
     assert "actor_rollout_ref.actor.optim.lr: 0.0002 -> 0.0003" in refusal
     assert "algorithm.spo.tree.branching: [3, 3] -> [2, 2]" in refusal
-    assert "trainer.experiment_name=" in refusal and "trainer.resume_mode=disable" in refusal
+    # The way to a new run names a folder of its own (resume_mode=disable there would be refused below).
+    assert NEW_FOLDER in refusal and "resume_mode=disable" not in refusal
     assert f"{FORCE_KEY}=true" in refusal
     forced, resuming = resume_problem(prepared("actor_rollout_ref.actor.optim.lr=3e-4",
                                                f"{FORCE_KEY}=true"))
@@ -115,7 +117,9 @@ def test_a_changed_configuration_is_refused_naming_each_change_and_both_ways_out
 def test_what_may_change_between_the_parts_of_one_run_resumes(tmp_path, prepared):
     record_configuration(prepared())
     checkpointed(tmp_path / "run")
+    # cpu-tiny's learning rate is constant: the step count says only where the run stops.
     same = prepared("trainer.total_training_steps=9", "trainer.save_freq=3", "trainer.test_freq=-1",
+                    "trainer.experiment_name=renamed", "actor_rollout_ref.rollout.trace.experiment_name=renamed",
                     "algorithm.spo.budget.generated_tokens=5000",
                     "actor_rollout_ref.rollout.val_kwargs.n=4", "trainer.val_only=true",
                     "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH=/elsewhere.jsonl")
@@ -160,3 +164,90 @@ def test_an_experiment_named_to_hydra_gets_its_own_checkpoint_folder(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"checkpoints -> {REPO}/checkpoints/spo/lr3e-6" in result.stdout
     assert f"default_local_dir: {REPO}/checkpoints/spo/lr3e-6" in result.stdout
+
+
+def test_a_step_count_that_reshapes_the_learning_rate_schedule_is_refused(tmp_path, prepared):
+    """A cosine decay (the cluster settings') or a warm-up by share spans trainer.total_training_steps: a
+    resumed run under another count would jump to another point of the curve."""
+    cosine = ("actor_rollout_ref.actor.optim.lr_scheduler_type=cosine",)
+    record_configuration(prepared(*cosine, "trainer.total_training_steps=4"))
+    checkpointed(tmp_path / "run")
+    refusal, _ = resume_problem(prepared(*cosine, "trainer.total_training_steps=1000"))
+    assert f"(1 setting(s) differ: {SCHEDULE_LENGTH}: 4 -> 1000)" in refusal
+    assert resume_problem(prepared(*cosine, "trainer.total_training_steps=4", "trainer.save_freq=1"))[0] is None
+    warm_up = ("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.1",)
+    record_configuration(prepared(*warm_up, "trainer.total_training_steps=4"))
+    assert SCHEDULE_LENGTH in resume_problem(prepared(*warm_up, "trainer.total_training_steps=5"))[0]
+    # A warm-up of a set number of steps does not depend on the total.
+    fixed = ("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.1", "actor_rollout_ref.actor.optim.lr_warmup_steps=2")
+    record_configuration(prepared(*fixed, "trainer.total_training_steps=4"))
+    assert resume_problem(prepared(*fixed, "trainer.total_training_steps=5"))[0] is None
+
+
+def test_a_record_of_an_earlier_guard_is_compared_on_what_both_sides_hold(tmp_path, prepared):
+    """Records written before the schedule's length was recorded, with keys since allowed to change."""
+    record = comparable(prepared("actor_rollout_ref.actor.optim.lr_scheduler_type=cosine"))
+    del record[SCHEDULE_LENGTH]
+    record["trainer.default_local_dir"] = "/elsewhere"
+    checkpointed(tmp_path / "run")
+    (tmp_path / "run" / RECORD_FILE).write_text(yaml.safe_dump(record))
+    assert resume_problem(prepared("actor_rollout_ref.actor.optim.lr_scheduler_type=cosine"))[0] is None
+
+
+def test_a_launch_that_does_not_resume_a_folders_checkpoints_may_not_write_over_them(tmp_path, prepared):
+    folder = tmp_path / "run"
+    assert overwrite_problem(prepared("trainer.resume_mode=disable")) is None  # nothing there yet
+    record_configuration(prepared())
+    assert overwrite_problem(prepared("trainer.resume_mode=disable")) is None  # a record alone is no checkpoint
+    checkpointed(folder, step=4)
+    refusal = overwrite_problem(prepared("trainer.resume_mode=disable"))
+    assert refusal == (f"trainer.default_local_dir={folder} holds another run's checkpoints (global_step_4, "
+                       "latest_checkpointed_iteration.txt), and this launch (trainer.resume_mode=disable) trains from the "
+                       "base model: it would write its own checkpoints over them. To continue that run, launch it again "
+                       f"with trainer.resume_mode=auto and its settings; to start a new run, {NEW_FOLDER}; or move "
+                       f"{folder} away first")
+    assert overwrite_problem(prepared()) is None  # auto resumes them
+    assert overwrite_problem(prepared("trainer.resume_mode=resume_path",
+                                      f"trainer.resume_from_path={folder / 'global_step_4'}")) is None
+    elsewhere = tmp_path / "other" / "global_step_9"
+    assert f"resumes {elsewhere}, outside that folder" in overwrite_problem(
+        prepared("trainer.resume_mode=resume_path", f"trainer.resume_from_path={elsewhere}"))
+    (folder / "latest_checkpointed_iteration.txt").unlink()  # steps without verl's tracker: auto would start over
+    assert "finds no latest_checkpointed_iteration.txt there to resume from, so it trains from the base model" in (
+        overwrite_problem(prepared()))
+
+
+def test_a_folder_another_running_launch_holds_is_refused_naming_it_and_a_dead_holders_lock_is_taken_over(tmp_path):
+    folder = tmp_path / "run"
+    lock, note = acquire(folder, command="python -m recipe.spo.main_spo setting=cpu-tiny")
+    assert note is None
+    refusal, _ = lock_problem(folder)
+    assert refusal.startswith(f"trainer.default_local_dir={folder} is in use by another run: {folder / LOCK_FILE} names "
+                              f"pid {os.getpid()} on host {lock.holder['host']}, started {lock.holder['started']}; "
+                              "process")
+    # The lock file names the command too, for whoever opens it.
+    assert yaml.safe_load((folder / LOCK_FILE).read_text())["command"] == "python -m recipe.spo.main_spo setting=cpu-tiny"
+    assert refusal.endswith(f"wait for that run to end, or, for a new run, {NEW_FOLDER}; if that run is gone, delete "
+                            f"{folder / LOCK_FILE}")
+    with pytest.raises(ValueError, match="is in use by another run"):
+        acquire(folder)
+    lock.release()
+    assert not (folder / LOCK_FILE).exists() and lock_problem(folder)[0] is None
+
+    # A holder on this host whose process has ended (a driver killed with SIGKILL).
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (folder / LOCK_FILE).write_text(yaml.safe_dump({"pid": dead.pid, "host": lock.holder["host"], "started": "then"}))
+    refusal, found = lock_problem(folder)
+    assert refusal is None and f"process {dead.pid} no longer runs on this host" in found
+    taken, note = acquire(folder)
+    assert "a stale lock" in note and yaml.safe_load((folder / LOCK_FILE).read_text())["pid"] == os.getpid()
+    taken.release()
+
+    # Another host's lock (a shared file system): live while its driver refreshes it.
+    (folder / LOCK_FILE).write_text(yaml.safe_dump({"pid": 1, "host": "node-7", "started": "then"}))
+    refusal, _ = lock_problem(folder)
+    assert "names pid 1 on host node-7, started then; refreshed" in refusal
+    old = (folder / LOCK_FILE).stat().st_mtime - STALE_AFTER_S - 1
+    os.utime(folder / LOCK_FILE, (old, old))
+    assert lock_problem(folder)[0] is None

@@ -27,6 +27,7 @@ import json
 import math
 import re
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -356,12 +357,13 @@ REHEARSALS = [("math-r1-1.5b", "spo_tree")]
 
 
 def _run_rehearsal(setting: str, algorithm: str, work: Path) -> Run:
-    """``bash scripts/rehearse.sh SETTING ALGORITHM`` as a user runs it; only where it builds and writes is
-    the test's. Its two trainer starts (steps 1-2, then the resumed step 3) log to files it names."""
+    """``bash scripts/rehearse.sh SETTING ALGORITHM`` as a user runs it, into the checkpoint folder it makes
+    for itself; only where it builds its cache and writes TensorBoard is the test's. Its two trainer starts
+    (steps 1-2, then the resumed step 3) log to files it names."""
     work.mkdir(parents=True)
-    env = {k: v for k, v in os.environ.items() if k not in ("SETTING", "ALGORITHM", "VERL_FILE_LOGGER_PATH")}
-    env.update(SPO_REHEARSAL_CACHE=str(work / "cache"), CHECKPOINT_DIR=str(work / "checkpoints"),
-               TENSORBOARD_DIR=str(work / "tensorboard"))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("SETTING", "ALGORITHM", "VERL_FILE_LOGGER_PATH", "CHECKPOINT_DIR")}
+    env.update(SPO_REHEARSAL_CACHE=str(work / "cache"), TENSORBOARD_DIR=str(work / "tensorboard"))
     log = work / "rehearsal.log"
     started = time.perf_counter()
     with open(log, "w") as out:
@@ -595,7 +597,9 @@ def test_readme_run_script_trains_the_real_model_on_cpu(runs):
     assert run.returncode == 0, run.failure()
     log = run.log.read_text()
     assert "no GPU visible: training the CPU default (SETTING=cpu-smollm2" in log
-    assert f"checkpoints -> {REPO}/checkpoints/spo/cpu-smollm2-spo_tree" in log
+    # A folder of its own under the experiment's, so that the README's command can be run again and again.
+    assert re.search(rf"checkpoints -> {re.escape(str(REPO))}/checkpoints/spo/cpu-smollm2-spo_tree/\d{{8}}-\d{{6}}$", log,
+                     re.MULTILINE)
     # vLLM loaded the package's plugin in its engine and worker processes: their spin-waits pause.
     for process in ("EngineCore", "VllmWorker-0"):
         assert f"spo_cpu: vLLM's queues in {process} pause 0.2 ms between looks" in log, process
@@ -865,9 +869,14 @@ def test_a_cluster_setting_rehearses_as_shipped_through_verls_trainer(runs, sett
     validation = ("val-core/HuggingFaceH4/MATH-500/acc/mean@1" if setting.startswith("math") else VALIDATION_KEY)
     assert sorted(first) == [0, 1, 2] and validation in first[0] and validation in first[2]
     assert sorted(resumed) == [2, 3] and validation in resumed[2] and "timing_s/step" not in resumed[2]
-    # Resumed under the settings its checkpoint was written with: one run per checkpoint folder.
-    assert re.search(r"^spo: checkpoints: .*: resuming .*global_step_2, written under this same configuration$", log, re.MULTILINE)
-    checkpoints = run.log.parent / "checkpoints"
+    # Resumed under the settings its checkpoint was written with but for the step count the rehearsal cut
+    # (the cosine schedule's length): one run per checkpoint folder.
+    assert re.search(r"^spo: checkpoints: .*: resuming .*global_step_2 despite 1 changed setting\(s\) "
+                     r"\(spo_launch.resume_despite_changes=true\): trainer.total_training_steps .*: 2 -> 3$", log, re.MULTILINE)
+    # Its own new folder under the repository's checkpoints/rehearsal/, removed at the end once checked.
+    [folder] = set(re.findall(r"^rehearsal: first run: .*, into (\S+)$", log, re.MULTILINE))
+    checkpoints = Path(folder)
+    assert checkpoints.parent == REPO / "checkpoints" / "rehearsal" and checkpoints.name.startswith(f"{setting}-{algorithm}-")
     assert (checkpoints / "global_step_2").is_dir()
     trained = {step: data for step, data in [*first.items(), *resumed.items()] if "timing_s/step" in data}
     assert sorted(trained) == [1, 2, 3]
@@ -881,3 +890,4 @@ def test_a_cluster_setting_rehearses_as_shipped_through_verls_trainer(runs, sett
     assert all(data["spo/tree/trees"] == 4 for data in trained.values())
     assert all(6 < data["spo/tree/leaves_per_tree"] <= 216 for data in trained.values())
     assert all(data["spo/tree/nodes_per_tree"] >= 6 + data["spo/tree/leaves_per_tree"] for data in trained.values())
+    shutil.rmtree(checkpoints)  # kept where an assertion above failed, for a look

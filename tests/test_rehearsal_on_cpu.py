@@ -95,3 +95,28 @@ def test_a_setting_without_a_rehearsal_is_refused_with_the_rehearsed_ones(tmp_pa
 
     assert main(["cpu-tiny", "spo_tree", "--output-dir", str(tmp_path)]) == 2
     assert not any(Path(tmp_path).iterdir())
+
+
+def test_an_exported_checkpoint_folder_that_holds_files_survives_the_rehearsal(tmp_path):
+    """A user who exported the real run's CHECKPOINT_DIR and rehearses first keeps that run's checkpoints:
+    the rehearsal refuses the folder in one line, before it builds or starts anything."""
+    import os
+    import subprocess
+
+    from spo_verl.tools import REPO
+
+    real_run = tmp_path / "tree-666"
+    (real_run / "global_step_950").mkdir(parents=True)
+    (real_run / "global_step_950" / "x").write_text("weights")
+    (real_run / "latest_checkpointed_iteration.txt").write_text("950")
+    environment = {key: value for key, value in os.environ.items() if key not in ("SETTING", "ALGORITHM")}
+    result = subprocess.run(["bash", str(REPO / "scripts" / "rehearse.sh"), "math-r1-1.5b", "spo_tree"],
+                            env={**environment, "CHECKPOINT_DIR": str(real_run)}, capture_output=True, text=True,
+                            timeout=60, cwd=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"rehearse: CHECKPOINT_DIR={real_run} is not empty, and a rehearsal writes only into a folder of its own: unset "
+        "CHECKPOINT_DIR (each rehearsal then makes a new folder under checkpoints/rehearsal/) or name an empty or new folder"]
+    assert result.stdout == ""  # nothing was built or started
+    assert (real_run / "global_step_950" / "x").read_text() == "weights"
+    assert sorted(path.name for path in real_run.iterdir()) == ["global_step_950", "latest_checkpointed_iteration.txt"]

@@ -8,6 +8,7 @@ line); what cannot be checked from here (a hub model not cached, an ``hdfs://`` 
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 from pathlib import Path
@@ -23,7 +24,29 @@ VERLS_ATTENTION = "flash_attention_2"
 
 def check_launch(config: Any, torch_module=None) -> list[str]:
     """Raise ``ValueError`` for what would stop the run after it started; return what a user should know."""
-    return [*check_models(config), *check_data_files(config), *check_attention(config, torch_module)]
+    return [*check_gpu_count(config, torch_module), *check_models(config), *check_data_files(config),
+            *check_attention(config, torch_module)]
+
+
+def check_gpu_count(config: Any, torch_module=None) -> list[str]:
+    """``trainer.n_gpus_per_node`` against the GPUs this node sees, where it sees any (``--check`` on a login
+    node sees none: not checked there). verl asks Ray for that many GPUs a node and would wait for them."""
+    if not needs_gpu(config):
+        return []
+    if torch_module is None:
+        import torch as torch_module
+    if torch_module.version.cuda is None:
+        return []
+    visible = torch_module.cuda.device_count()
+    wanted = config.trainer.n_gpus_per_node
+    if visible == 0:
+        return ["GPUs per node: not checked (this node sees no GPU)"]
+    if wanted > visible:
+        shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise ValueError(f"trainer.n_gpus_per_node={wanted} (GPUS_PER_NODE) but this node sees {visible} GPU(s) "
+                         f"(CUDA_VISIBLE_DEVICES={shown if shown is not None else 'unset'}): set GPUS_PER_NODE to at "
+                         f"most {visible}, or launch on a node with {wanted}")
+    return [f"GPUs per node: trainer.n_gpus_per_node={wanted}, this node sees {visible}"]
 
 
 def needs_gpu(config: Any) -> bool:
@@ -72,12 +95,15 @@ def looks_local(path: str) -> bool:
 def check_model(key: str, path: str, chat_template: str | None) -> str:
     if "://" in path:
         return f"{key}={path}: a remote path, not checked here (verl copies it to each node)"
-    if not looks_local(path):
+    if not looks_local(path) and not Path(path.split("/")[0]).is_dir():
         return check_hub_model(key, path)
+    # A path whose first folder is here ("models/sft" beside a models/ folder) is a local path, even with one
+    # slash: taken for a hub id, it would be looked up on the hub and fail there, or download another model.
     folder = Path(path).expanduser()
     if not folder.is_dir():
-        raise ValueError(f"{key}={path}: no such model folder (set MODEL_PATH, or the setting's model, to a folder with "
-                         f"config.json and the tokenizer)")
+        where = "" if folder.is_absolute() else f" (read from the working directory: {Path.cwd() / folder})"
+        raise ValueError(f"{key}={path}: no such model folder{where} (set MODEL_PATH, or the setting's model, to a folder "
+                         f"with config.json and the tokenizer, or to a hub id org/name)")
     if not (folder / "config.json").is_file():
         raise ValueError(f"{key}={path}: the folder has no config.json, so it is not a Hugging Face model")
     check_tokenizer(key, str(folder), chat_template)
@@ -209,4 +235,13 @@ def check_attention(config: Any, torch_module=None) -> list[str]:
     if importlib.util.find_spec("flash_attn") is None:
         raise ValueError(f"actor_rollout_ref.model.override_config.attn_implementation={VERLS_ATTENTION} needs flash-attn, "
                          f"which this Python does not have: {FLASH_ATTN_INSTALL}")
-    return [f"attention: {VERLS_ATTENTION} (flash-attn installed)"]
+    # Installed is not enough: a build against another torch or CUDA fails when its kernels load, in every
+    # actor, minutes into the run.
+    try:
+        importlib.import_module("flash_attn")
+    except Exception as error:  # an ImportError, or an OSError of the shared library
+        reason = " ".join(f"{type(error).__name__}: {error}".split())
+        raise ValueError(f"actor_rollout_ref.model.override_config.attn_implementation={VERLS_ATTENTION} needs flash-attn, "
+                         f"which is installed but does not import in this Python ({reason}); rebuild it against this "
+                         f"torch: pip uninstall -y flash-attn && {FLASH_ATTN_INSTALL}") from error
+    return [f"attention: {VERLS_ATTENTION} (flash-attn imports)"]
