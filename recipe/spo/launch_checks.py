@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +97,7 @@ def looks_local(path: str) -> bool:
 def check_model(key: str, path: str, chat_template: str | None) -> str:
     if "://" in path:
         return f"{key}={path}: a remote path, not checked here (verl copies it to each node)"
-    if not looks_local(path) and not Path(path.split("/")[0]).is_dir():
+    if is_hub_id(path):
         return check_hub_model(key, path)
     # A path whose first folder is here ("models/sft" beside a models/ folder) is a local path, even with one
     # slash: taken for a hub id, it would be looked up on the hub and fail there, or download another model.
@@ -110,16 +112,60 @@ def check_model(key: str, path: str, chat_template: str | None) -> str:
     return f"{key}={path}: model and tokenizer load"
 
 
-def check_hub_model(key: str, name: str) -> str:
+# How long the hub may take to answer before a model verl reads in the driver counts as out of reach.
+HUB_ANSWER_S = 5
+
+
+def is_hub_id(path: str) -> bool:
+    return "://" not in path and not looks_local(path) and not Path(path.split("/")[0]).is_dir()
+
+
+def hub_cached(name: str) -> bool:
     from huggingface_hub import try_to_load_from_cache
 
-    cached = isinstance(try_to_load_from_cache(name, "config.json"), str)
-    if cached:
+    return isinstance(try_to_load_from_cache(name, "config.json"), str)
+
+
+def hub_answers(timeout: float = HUB_ANSWER_S) -> bool:
+    """Whether the Hugging Face endpoint (``HF_ENDPOINT``'s, or huggingface.co) answers at all, in seconds."""
+    from huggingface_hub import constants
+
+    try:
+        urllib.request.urlopen(constants.ENDPOINT, timeout=timeout).close()
+    except urllib.error.HTTPError:
+        return True  # an answer, if not a page
+    except (OSError, ValueError):  # no name, no route, refused, timed out
+        return False
+    return True
+
+
+def check_hub_model(key: str, name: str) -> str:
+    if hub_cached(name):
         return f"{key}={name}: in this machine's Hugging Face cache"
     if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0"):
         raise ValueError(f"{key}={name} is a hub model that is not in this machine's Hugging Face cache, and "
                          f"HF_HUB_OFFLINE is set: download it first, or set MODEL_PATH to a local copy")
     return f"{key}={name}: a hub model, not cached here: every node downloads it when the run starts"
+
+
+def check_models_verl_reads(config: Any) -> None:
+    """verl's configuration check reads the critic's model configuration in the driver (PPO): a hub model
+    not cached here is fetched there, and where the hub does not answer transformers retries for about a
+    minute and then fails with a traceback. Refused first, in seconds."""
+    from huggingface_hub import constants
+    from verl.trainer.ppo.utils import need_critic
+
+    if not need_critic(config):
+        return
+    name = str(config.critic.model.path)
+    if not is_hub_id(name) or hub_cached(name):
+        return
+    check_hub_model("critic.model.path", name)  # HF_HUB_OFFLINE: refused with its own reason
+    if not hub_answers():
+        raise ValueError(f"critic.model.path={name} is a hub model that is not in this machine's Hugging Face cache, "
+                         f"and the hub ({constants.ENDPOINT}) did not answer within {HUB_ANSWER_S} s; verl reads the "
+                         f"critic's configuration before Ray starts: download the model first, or set MODEL_PATH to a "
+                         f"local copy")
 
 
 def check_tokenizer(key: str, folder: str, chat_template: str | None) -> None:

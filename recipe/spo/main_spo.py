@@ -30,7 +30,7 @@ from verl.utils.config import validate_config
 from verl.utils.device import auto_set_device
 
 from recipe.spo.driver_config import prepare_for_ray
-from recipe.spo.launch_checks import check_launch, gpu_problem, needs_gpu
+from recipe.spo.launch_checks import check_launch, check_models_verl_reads, gpu_problem, needs_gpu
 from recipe.spo.resume_guard import overwrite_problem, record_configuration, resume_problem
 from recipe.spo.run_lock import acquire, lock_problem
 from spo_verl.adapters.trainer.runners import run_with_one_restart, task_runner_for
@@ -68,6 +68,10 @@ def validate_or_exit(config) -> None:
     try:
         auto_set_device(config)
         validate_spo_run(config)
+    except ValueError as error:
+        refuse(error)
+    try:
+        check_models_verl_reads(config)
     except ValueError as error:
         refuse(error)
     try:
