@@ -252,7 +252,11 @@ def _run_case(case: TrainerCase, cache: Path, work: Path) -> Case:
         actors = None
         if case.nodes == 2:
             address, actors = stack.enter_context(_two_ray_nodes(work))
-            env.update(RAY_ADDRESS=address, NNODES="2")  # what a user sets to join a cluster of two nodes
+            # As CLUSTER.md launches it, with the head's address where a lone cluster would say "auto": on a
+            # test machine other runs start Ray clusters of their own at the same time, and Ray's "auto" joins
+            # the one started last.
+            env["NNODES"] = "2"
+            overrides.append(f"+ray_kwargs.ray_init.address={address}")
         first = _launch(case.script, {**env, "TOTAL_TRAINING_STEPS": "2", "SAVE_FREQ": "2", "TEST_FREQ": "2"},
                         [*overrides, *case.first_only], work / "first.log", work / "first.jsonl")
         refused = None

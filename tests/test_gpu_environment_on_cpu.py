@@ -39,8 +39,10 @@ def test_a_gpu_setting_with_a_cpu_only_torch_stops_before_ray(script, setting):
 
 
 def test_a_gpu_run_uses_the_clusters_python_not_the_cpu_venv(tmp_path):
-    shim = tmp_path / "python3"  # the cluster's python3, first on PATH: it records how it was called
-    shim.write_text('#!/bin/sh\necho "cluster python3: $*" >&2\nexit 7\n')
+    # The cluster's python3, first on PATH: it records how it was called; asked whether verl is there (the
+    # launcher's `-c` look before anything else) it says yes, as the cluster's Python with verl would.
+    shim = tmp_path / "python3"
+    shim.write_text('#!/bin/sh\necho "cluster python3: $*" >&2\n[ "$1" = "-c" ] && exit 0\nexit 7\n')
     shim.chmod(0o755)
     env = {key: value for key, value in os.environ.items() if key != "PYTHON"}
     env["PATH"] = f"{tmp_path}:{env['PATH']}"
