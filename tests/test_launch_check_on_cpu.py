@@ -368,6 +368,30 @@ def first_pid(result) -> int:
     return int(re.search(r"^spo: checkpoints: lock taken by pid (\d+)", result.stdout, re.MULTILINE).group(1))
 
 
+def test_check_holds_nodes_and_gpus_against_the_ray_cluster_it_joins(cpu_tiny_cache, tmp_path):
+    """A running two-node Ray cluster (tests/ray_two_nodes.py: two raylets, one logical GPU each), joined as
+    CLUSTER.md launches it: ``--check`` with NNODES=2 finds both nodes; NNODES=3 is refused in one line
+    naming what the cluster has, before any run of it starts."""
+    import contextlib
+
+    cluster = subprocess.Popen([sys.executable, str(REPO / "tests" / "ray_two_nodes.py")], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=tmp_path)
+    with contextlib.ExitStack() as stack:
+        stack.callback(cluster.wait, timeout=120)
+        stack.callback(cluster.stdin.close)
+        line = cluster.stdout.readline()
+        assert line.startswith("address "), line
+        join = f"+ray_kwargs.ray_init.address={line.split()[1]}"
+        found = cpu_tiny_launch(cpu_tiny_cache, "--check", join, NNODES="2", CHECKPOINT_DIR=str(tmp_path / "a"))
+        assert found.returncode == 0, found.stderr[-2000:]
+        assert f"spo: check: Ray cluster at {line.split()[1]}: 2 alive node(s), GPUs per node [1, 1]: enough for 2 x 1" \
+            in found.stdout
+        refused = cpu_tiny_launch(cpu_tiny_cache, "--check", join, NNODES="3", CHECKPOINT_DIR=str(tmp_path / "b"))
+        assert refused.returncode == 2
+        assert one_line(refused).startswith(f"spo: trainer.nnodes=3 (NNODES) x trainer.n_gpus_per_node=1 (GPUS_PER_NODE): "
+                                            f"the Ray cluster at {line.split()[1]} has 2 alive node(s) with [1, 1] GPUs")
+
+
 def test_the_cpu_default_starts_again_and_again_each_run_in_a_folder_of_its_own(cpu_tiny_cache):
     """The README's ``bash scripts/run_spo_tree.sh``, twice: a CPU setting trains from the base model at each
     launch, so the launcher gives each launch a folder of its own; ``trainer.resume_mode=auto`` continues the

@@ -26,8 +26,43 @@ VERLS_ATTENTION = "flash_attention_2"
 
 def check_launch(config: Any, torch_module=None) -> list[str]:
     """Raise ``ValueError`` for what would stop the run after it started; return what a user should know."""
-    return [*check_gpu_count(config, torch_module), *check_models(config), *check_data_files(config),
-            *check_attention(config, torch_module)]
+    return [*check_gpu_count(config, torch_module), *check_cluster(config), *check_models(config),
+            *check_data_files(config), *check_attention(config, torch_module)]
+
+
+def ray_address(config: Any) -> str | None:
+    """The running Ray cluster the launch joins (``ray_kwargs.ray_init.address``, else ``RAY_ADDRESS``), or None."""
+    ray_init = (config.get("ray_kwargs") or {}).get("ray_init") or {}
+    return ray_init.get("address") or os.environ.get("RAY_ADDRESS") or None
+
+
+def check_cluster(config: Any) -> list[str]:
+    """With a cluster to join: its alive nodes and their GPUs against ``trainer.nnodes`` x
+    ``trainer.n_gpus_per_node``, where this process reaches it (verl would ask Ray for the GPUs and wait for
+    ever). Connects as a Ray client for the look and disconnects, before the run's own connection."""
+    address = ray_address(config)
+    if address is None:
+        return []
+    import ray
+
+    try:
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+        nodes = [node for node in ray.nodes() if node.get("Alive")]
+    except (ConnectionError, RuntimeError, ValueError) as error:
+        return [f"Ray cluster at {address}: not reached from here ({type(error).__name__}), so its nodes are not checked"]
+    finally:
+        ray.shutdown()
+    trainer = config.trainer
+    per_node = sorted((int(node["Resources"].get("GPU", 0)) for node in nodes), reverse=True)
+    enough = sum(1 for gpus in per_node if gpus >= trainer.n_gpus_per_node)
+    if enough < trainer.nnodes:
+        raise ValueError(
+            f"trainer.nnodes={trainer.nnodes} (NNODES) x trainer.n_gpus_per_node={trainer.n_gpus_per_node} (GPUS_PER_NODE): "
+            f"the Ray cluster at {address} has {len(nodes)} alive node(s) with {per_node} GPUs, {enough} of them with "
+            f"{trainer.n_gpus_per_node} or more; start Ray on every node the run needs (docs/CLUSTER.md, \"Several "
+            f"nodes\"), or set NNODES and GPUS_PER_NODE to the cluster's")
+    return [f"Ray cluster at {address}: {len(nodes)} alive node(s), GPUs per node {per_node}: enough for "
+            f"{trainer.nnodes} x {trainer.n_gpus_per_node}"]
 
 
 def check_gpu_count(config: Any, torch_module=None) -> list[str]:
