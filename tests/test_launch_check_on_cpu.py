@@ -182,18 +182,21 @@ def test_a_missing_data_file_or_model_or_an_ignored_setting_is_refused_before_ra
 
 
 def test_ppo_with_a_hub_critic_the_hub_does_not_answer_is_refused_in_seconds(data_dir, tmp_path):
-    """PPO as a user launches it on a machine that reaches no hub (this one): verl's configuration check
-    would read the critic's hub model in the driver, retry for about a minute and end in a traceback; the
-    launch says so in one line first. HF_HOME is the test's, so that no model a developer cached counts."""
-    started = time.perf_counter()
-    result = check("run_grpo.sh", "--check", SETTING="gsm8k-rhomath-1.1b", ALGORITHM="ppo", DATA_DIR=str(data_dir),
-                   HF_HOME=str(tmp_path / "hf"))
-    assert result.returncode == 2
-    assert refusal(result).startswith("spo: critic.model.path=realtreetune/rho-1b-sft-GSM8K is a hub model that is not in "
-                                      "this machine's Hugging Face cache, and the hub (https://huggingface.co) did not "
-                                      "answer within 5 s")
-    assert time.perf_counter() - started < 50  # the retries took about 60 s before
-    assert "Traceback" not in result.stderr and "Started a local Ray instance" not in result.stdout + result.stderr
+    """PPO as a user launches it where no hub answers: verl's configuration check would read the critic's hub
+    model in the driver, retry for about a minute and end in a traceback; the launch says so in one line
+    first, with the hub switched off (HF_HUB_OFFLINE=1) and with a hub endpoint that does not answer (a
+    mirror that is down: a closed port, so that the test means the same on a machine that reaches
+    huggingface.co). HF_HOME is the test's, so that no model a developer cached counts."""
+    for offline, endpoint, reason in (("1", None, "and HF_HUB_OFFLINE is set"),
+                                      ("0", "http://127.0.0.1:9", "and the hub (http://127.0.0.1:9) did not answer within 5 s")):
+        started = time.perf_counter()
+        result = check("run_grpo.sh", "--check", SETTING="gsm8k-rhomath-1.1b", ALGORITHM="ppo", DATA_DIR=str(data_dir),
+                       HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE=offline, **({"HF_ENDPOINT": endpoint} if endpoint else {}))
+        assert result.returncode == 2
+        assert refusal(result).startswith("spo: critic.model.path=realtreetune/rho-1b-sft-GSM8K is a hub model that is "
+                                          f"not in this machine's Hugging Face cache, {reason}")
+        assert time.perf_counter() - started < 50  # the retries took about 60 s before
+        assert "Traceback" not in result.stderr and "Started a local Ray instance" not in result.stdout + result.stderr
 
 
 def test_a_launch_of_a_gpu_setting_without_a_gpu_stops_at_once_through_the_python_entry_point(tiny_model, data_dir):
