@@ -181,6 +181,27 @@ def test_a_missing_data_file_or_model_or_an_ignored_setting_is_refused_before_ra
                                       "model that is not in this machine's Hugging Face cache")
 
 
+def test_the_settings_own_hub_model_once_cached_is_checked_as_a_local_folder(setting_models, data_dir, tmp_path):
+    """``SETTING=gsm8k-rhomath-1.1b bash scripts/run_spo_tree.sh --check`` as shipped, its hub model in the
+    Hugging Face cache: its tokenizer loads and renders the setting's prompts, and the data's overlong
+    prompts are counted with it, as for a local folder. Nothing can be downloaded here, so the cache (the
+    layout a download leaves) holds a model of the setting's architecture, built by the test."""
+    import shutil
+
+    name, revision = "realtreetune/rho-1b-sft-GSM8K", "0" * 40
+    repository = tmp_path / "hf" / "hub" / "models--realtreetune--rho-1b-sft-GSM8K"
+    shutil.copytree(setting_models["gsm8k-rhomath-1.1b"], repository / "snapshots" / revision)
+    (repository / "refs").mkdir()
+    (repository / "refs" / "main").write_text(revision)
+    result = check("run_spo_tree.sh", "--check", SETTING="gsm8k-rhomath-1.1b", DATA_DIR=str(data_dir),
+                   HF_HOME=str(tmp_path / "hf"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (f"spo: check: actor_rollout_ref.model.path={name}: in this machine's Hugging Face cache; model and "
+            f"tokenizer load") in result.stdout
+    assert "longer than data.max_prompt_length=1023 (verl's overlong-prompt filter drops them)" in result.stdout
+    assert "prompt lengths not counted" not in result.stdout
+
+
 def test_ppo_with_a_hub_critic_the_hub_does_not_answer_is_refused_in_seconds(data_dir, tmp_path):
     """PPO as a user launches it where no hub answers: verl's configuration check would read the critic's hub
     model in the driver, retry for about a minute and end in a traceback; the launch says so in one line

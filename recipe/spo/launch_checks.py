@@ -133,7 +133,7 @@ def check_model(key: str, path: str, chat_template: str | None) -> str:
     if "://" in path:
         return f"{key}={path}: a remote path, not checked here (verl copies it to each node)"
     if is_hub_id(path):
-        return check_hub_model(key, path)
+        return check_hub_model(key, path, chat_template)
     # A path whose first folder is here ("models/sft" beside a models/ folder) is a local path, even with one
     # slash: taken for a hub id, it would be looked up on the hub and fail there, or download another model.
     folder = Path(path).expanduser()
@@ -174,9 +174,21 @@ def hub_answers(timeout: float = HUB_ANSWER_S) -> bool:
     return True
 
 
-def check_hub_model(key: str, name: str) -> str:
-    if hub_cached(name):
-        return f"{key}={name}: in this machine's Hugging Face cache"
+def cached_snapshot(name: str) -> str | None:
+    """The folder of a hub model's snapshot in this machine's Hugging Face cache (no network), or None."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(name, local_files_only=True)
+    except Exception:  # noqa: BLE001  huggingface_hub raises several kinds for "not here"
+        return None
+
+
+def check_hub_model(key: str, name: str, chat_template: str | None = None) -> str:
+    snapshot = cached_snapshot(name) if hub_cached(name) else None
+    if snapshot is not None:
+        check_tokenizer(key, snapshot, chat_template)
+        return f"{key}={name}: in this machine's Hugging Face cache; model and tokenizer load"
     if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0"):
         raise ValueError(f"{key}={name} is a hub model that is not in this machine's Hugging Face cache, and "
                          f"HF_HUB_OFFLINE is set: download it first, or set MODEL_PATH to a local copy")
@@ -260,6 +272,8 @@ def prompt_tokenizer(config: Any):
 
     model = config.actor_rollout_ref.model
     path = str(model.get("tokenizer_path", None) or model.path)
+    if is_hub_id(path):
+        path = cached_snapshot(path) or path
     if "://" in path or not Path(path).expanduser().is_dir():
         return None
     tokenizer = hf_tokenizer(str(Path(path).expanduser()))
