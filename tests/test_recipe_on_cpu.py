@@ -23,16 +23,9 @@ from spo_verl.adapters.trainer.validation import validate_spo_run
 REPO = Path(__file__).resolve().parents[1]
 RECIPE_CONFIG = str(REPO / "recipe" / "spo" / "config")
 ALGORITHMS = ["spo_tree", "spo_tree_cutpoint", "spo_chain", "grpo", "grpo_prob_mask", "ppo"]
-CLUSTER = [
-    "trainer.n_gpus_per_node=8",
-    "data.train_batch_size=32",
-    "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
-    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
-    "critic.ppo_micro_batch_size_per_gpu=4",
-    "data.max_response_length=1536",
-]
+# The run scripts' cluster setting as shipped (run_spo_tree.sh's default): each test composes what a user's
+# launch composes, its own overrides on top.
+CLUSTER = ["setting=math-r1-1.5b"]
 
 
 def compose_recipe(*overrides):
@@ -100,7 +93,8 @@ def test_rollout_n_follows_the_tree_shape():
     ("overrides", "message"),
     [
         (["algorithm.spo.tree.branching=[6,0,6]"], r"algorithm\.spo\.tree\.branching\[1\] must be a positive integer"),
-        (["algorithm.spo.tree.segment_tokens=[900,900]"], r"segment_tokens \[900, 900\] use 1800 tokens"),
+        (["algorithm.spo.tree.segment_tokens=[900,900]", "data.max_response_length=1536"],
+         r"segment_tokens \[900, 900\] use 1800 tokens"),
         (["actor_rollout_ref.rollout.agent.default_agent_loop=single_turn_agent"], r"adv_estimator=spo_tree needs actor_rollout_ref\.rollout\.agent\.default_agent_loop=spo_tree"),
         (["trainer.v1.trainer_mode=sync"], r"needs trainer\.v1\.trainer_mode=spo"),
         (["actor_rollout_ref.rollout.agent.default_agent_loop=nope"], r"default_agent_loop=nope is not a registered agent loop"),
@@ -113,7 +107,7 @@ def test_rollout_n_follows_the_tree_shape():
         (["algorithm.spo.tree.branch_at=forks"], r"algorithm\.spo\.tree\.branch_at must be one of \['fixed', 'cutpoint', 'turn'\]"),
         (["algorithm.spo.tree.align_to_block=0"], r"algorithm\.spo\.tree\.align_to_block must be a positive integer, got 0"),
         # 760 + 760 plus up to 15 tokens of alignment at depth 1 and 8 at depth 2 would reach 1543 of 1536.
-        (["algorithm.spo.tree.segment_tokens=[760,760]", "algorithm.spo.tree.align_to_block=16"],
+        (["algorithm.spo.tree.segment_tokens=[760,760]", "algorithm.spo.tree.align_to_block=16", "data.max_response_length=1536"],
          r"segment_tokens \[760, 760\] aligned to algorithm\.spo\.tree\.align_to_block=16 can use 1543 tokens"),
         (["algorithm.spo.prob_mask.normalization=mean"], r"prob_mask\.normalization must be one of \['reference', 'verl'\]"),
         # verl's legacy manager cuts the repeated batch into num_workers chunks: 2 prompts over 8 workers
