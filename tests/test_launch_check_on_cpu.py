@@ -482,12 +482,15 @@ def test_mis_launches_that_would_fail_on_the_cluster_are_refused_by_check_in_one
         result = check("run_spo_tree.sh", "--check", *args, DATA_DIR=str(data_dir), **env)
         assert result.returncode == 2 and refusal(result).startswith(expected), result.stderr[-2000:]
         assert "+ray_kwargs.ray_init.address=auto" in refusal(result)
-    # As docs/CLUSTER.md launches it, joining a cluster: that check passes (the model and data are checked next).
-    joined = check("run_spo_tree.sh", "--check", "+ray_kwargs.ray_init.address=auto", NNODES="2",
+    # Naming a cluster to join, that check passes (the model and data are checked next). At an address no
+    # cluster answers at (port 1), so that the Ray clusters other tests start on this machine stay out of it:
+    # the cluster's own nodes and GPUs are checked against a running two-node cluster in this file.
+    joined = check("run_spo_tree.sh", "--check", "+ray_kwargs.ray_init.address=127.0.0.1:1", NNODES="2",
                    MODEL_PATH=setting_models["math-r1-1.5b"], DATA_DIR=str(data_dir))
     if not TORCH_IS_A_CUDA_BUILD:
         assert joined.returncode == 0, joined.stderr[-3000:]
         assert "nodes=2" in joined.stdout and "spo: check passed: setting=math-r1-1.5b" in joined.stdout
+        assert "spo: check: Ray cluster at 127.0.0.1:1: none answers from here" in joined.stdout
 
     # verl's own batch rule, which it asserts: GSM8K's 64 x 8 rows a step over 3 GPUs.
     result = check("run_grpo.sh", "--check", GPUS_PER_NODE="3", SETTING="gsm8k-rhomath-1.1b", ALGORITHM="grpo",

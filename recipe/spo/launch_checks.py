@@ -36,6 +36,25 @@ def ray_address(config: Any) -> str | None:
     return ray_init.get("address") or os.environ.get("RAY_ADDRESS") or None
 
 
+def cluster_gcs(address: str, timeout: float = 3.0) -> str | None:
+    """The cluster's ``host:port`` if something listens there (``auto``: the cluster this node's ``ray start``
+    recorded), else None: Ray's own connect waits minutes for an address nothing answers at."""
+    import socket
+
+    from ray._private.utils import read_ray_address
+
+    if address == "auto":
+        address = read_ray_address()
+    if not address or "://" in address:
+        return None
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except (OSError, ValueError):
+        return None
+    return address
+
+
 def check_cluster(config: Any) -> list[str]:
     """With a cluster to join: its alive nodes and their GPUs against ``trainer.nnodes`` x
     ``trainer.n_gpus_per_node``, where this process reaches it (verl would ask Ray for the GPUs and wait for
@@ -43,10 +62,14 @@ def check_cluster(config: Any) -> list[str]:
     address = ray_address(config)
     if address is None:
         return []
+    gcs = cluster_gcs(address)
+    if gcs is None:
+        return [f"Ray cluster at {address}: none answers from here (a Ray client address, no cluster on this node, or "
+                f"its port closed), so its nodes are not checked"]
     import ray
 
     try:
-        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+        ray.init(address=gcs, logging_level="ERROR", log_to_driver=False)
         nodes = [node for node in ray.nodes() if node.get("Alive")]
     except (ConnectionError, RuntimeError, ValueError) as error:
         return [f"Ray cluster at {address}: not reached from here ({type(error).__name__}), so its nodes are not checked"]
