@@ -492,31 +492,26 @@ def test_mis_launches_that_would_fail_on_the_cluster_are_refused_by_check_in_one
         assert "nodes=2" in joined.stdout and "spo: check passed: setting=math-r1-1.5b" in joined.stdout
         assert "spo: check: Ray cluster at 127.0.0.1:1: none answers from here" in joined.stdout
 
+    def gsm8k_check(*args, **env):
+        result = check("run_grpo.sh", "--check", *args, SETTING="gsm8k-rhomath-1.1b", DATA_DIR=str(data_dir), **env)
+        assert result.returncode == 2 and "Traceback" not in result.stderr
+        return refusal(result)
+
     # verl's own batch rule, which it asserts: GSM8K's 64 x 8 rows a step over 3 GPUs.
-    result = check("run_grpo.sh", "--check", GPUS_PER_NODE="3", SETTING="gsm8k-rhomath-1.1b", ALGORITHM="grpo",
-                   DATA_DIR=str(data_dir))
-    assert result.returncode == 2
-    assert refusal(result) == (
+    assert gsm8k_check(GPUS_PER_NODE="3", ALGORITHM="grpo") == (
         "spo: verl's configuration check (verl.utils.config.validate_config) refused it: data.train_batch_size=64 x "
         "actor_rollout_ref.rollout.n=8 = 512 rows a step must divide evenly over the trainer.n_gpus_per_node=3 "
         "(GPUS_PER_NODE) x trainer.nnodes=1 (NNODES) = 3 GPUs; GPU counts up to 64 that divide 512: 1, 2, 4, 8, 16, "
         "32, 64 (or change data.train_batch_size)")
-    assert "Traceback" not in result.stderr
     # GSM8K's fixed micro-batches of 8 rows (the reference's whitening groups) on 16 GPUs: 4 rows a GPU.
-    result = check("run_grpo.sh", "--check", GPUS_PER_NODE="16", SETTING="gsm8k-rhomath-1.1b", ALGORITHM="grpo_prob_mask",
-                   DATA_DIR=str(data_dir))
-    assert result.returncode == 2
-    assert refusal(result) == (
+    assert gsm8k_check(GPUS_PER_NODE="16", ALGORITHM="grpo_prob_mask") == (
         "spo: actor_rollout_ref.actor.ppo_mini_batch_size=8 x actor_rollout_ref.rollout.n=8 = 64 rows an optimizer step "
         "over trainer.n_gpus_per_node=16 (GPUS_PER_NODE) x trainer.nnodes=1 (NNODES) = 16 GPUs is not a whole number of "
         "micro-batches of actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8 rows on each: GPU counts that are: "
         "1, 2, 4, 8")
     # verl's other refusals name the keys its message is about.
-    result = check("run_grpo.sh", "--check", "actor_rollout_ref.actor.use_dynamic_bsz=false",
-                   "actor_rollout_ref.actor.ppo_mini_batch_size=128", SETTING="gsm8k-rhomath-1.1b", ALGORITHM="grpo",
-                   DATA_DIR=str(data_dir))
-    assert result.returncode == 2
-    line = refusal(result)
+    line = gsm8k_check("actor_rollout_ref.actor.use_dynamic_bsz=false", "actor_rollout_ref.actor.ppo_mini_batch_size=128",
+                       ALGORITHM="grpo")
     assert line.startswith("spo: verl's configuration check (verl.utils.config.validate_config) refused it: ")
     assert "data.train_batch_size=64" in line and "actor_rollout_ref.actor.ppo_mini_batch_size=" in line, line
 
