@@ -564,9 +564,12 @@ async def test_a_grpo_draw_carries_verls_grpo_advantage(llm_client, cpu_tiny_cac
     uid, messages, truth = prompt_set.candidates[0]
     estimators = [Estimator("grpo", GroupSetup("grpo"), "grpo", "vanilla"),
                   Estimator("grpo_one_group", GroupSetup("grpo", one_group=True), "grpo", "vanilla")]
+    # A reward that varies whatever the untrained model writes: every third response scored right (the
+    # advantages are checked against the rewards the draw records, in whatever order they were scored).
+    scored = itertools.count()
     draw = await sample_draw(estimators, 3, plan.model_dir, llm_client, tokenizer, f"{uid}/grpo", messages, truth,
                              prompt_set.prompt_length, prompt_set.response_length,
-                             score=lambda text, _: float(len(text) % 2 == 0))
+                             score=lambda text, _: float(next(scored) % 3 == 0))
     rewards = torch.tensor(draw.rewards)
     assert len(rewards) == 12 and 0 < float(rewards.sum()) < 12  # both kinds of answer
 
