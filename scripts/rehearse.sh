@@ -2,7 +2,7 @@
 # Rehearses a cluster setting through verl's real trainer on this machine's CPU, before a cluster job:
 # the setting and algorithm as shipped, changing only what the hardware forces (a tiny model of the
 # setting's architecture and prompt format, one CPU device, no flash-attn, vLLM's CPU backend, lengths
-# and prompts scaled by one declared factor each; spo_verl/tools/rehearsal/substitutions.py). It prints
+# and prompts scaled by one declared factor each; recipe/spo/rehearsal/substitutions.py). It prints
 # each substitution with its reason, trains 2 steps with a validation and a checkpoint at step 2, then
 # starts again and resumes from that checkpoint for step 3.
 #
@@ -34,7 +34,7 @@ if [[ -n "${CHECKPOINT_DIR:-}" && -e "$CHECKPOINT_DIR" && ( ! -d "$CHECKPOINT_DI
 fi
 PYTHON="${PYTHON:-$repo_root/.venv/bin/python}"
 
-rehearsal_output="$("$PYTHON" -m spo_verl.tools.rehearsal "$SETTING" "$ALGORITHM" \
+rehearsal_output="$("$PYTHON" -m recipe.spo.rehearsal "$SETTING" "$ALGORITHM" \
   --output-dir "${SPO_REHEARSAL_CACHE:-$HOME/.cache/spo-verl/rehearsal}")"
 eval "$rehearsal_output"
 export SPO_REHEARSAL=1 MODEL_PATH="$rehearsal_model" DATA_DIR="$rehearsal_data_dir" PYTHON

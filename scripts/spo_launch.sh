@@ -74,7 +74,7 @@ fi
 if [[ "$on_gpus" == 1 && "$composes_only" == 0 ]]; then
   # Before importing verl, so a CPU environment on a GPU node costs a second; --check reports it instead.
   if [[ "$check_only" == 0 ]]; then
-    "$PYTHON" "$repo_root/spo_verl/tools/gpu_environment.py" "$SETTING" || exit 2
+    "$PYTHON" "$repo_root/recipe/spo/checks_before_ray/gpu_environment.py" "$SETTING" || exit 2
   fi
 fi
 
@@ -140,9 +140,9 @@ cpu_outputs=()
 if [[ "$on_gpus" == 0 ]]; then
   if [[ "$SETTING" == cpu-* ]]; then
     if [[ "$SETTING" == cpu-tiny ]]; then
-      builder=(-m spo_verl.tools.cpu_settings.tiny --output-dir "${SPO_CPU_CACHE:-$HOME/.cache/spo-verl/cpu-tiny}")
+      builder=(-m recipe.spo.cpu_settings.tiny --output-dir "${SPO_CPU_CACHE:-$HOME/.cache/spo-verl/cpu-tiny}")
     else
-      builder=(-m spo_verl.tools.cpu_settings.smollm2 --output-dir "${SPO_SMOLLM2_CACHE:-$HOME/.cache/spo-verl/cpu-smollm2}"
+      builder=(-m recipe.spo.cpu_settings.smollm2 --output-dir "${SPO_SMOLLM2_CACHE:-$HOME/.cache/spo-verl/cpu-smollm2}"
                ${SMOLLM2_TASK:+--task "$SMOLLM2_TASK"})
     fi
     eval "$("$PYTHON" "${builder[@]}" | sed 's/^/cpu_/')"
@@ -219,6 +219,6 @@ set -e
 
 # One line per step a person can read, from verl's own metrics log (nothing if no step ran).
 if [[ -s "$VERL_FILE_LOGGER_PATH" ]]; then
-  "$PYTHON" -m spo_verl.tools.run_summary "$VERL_FILE_LOGGER_PATH" || true
+  "$PYTHON" -m recipe.spo.run_summary "$VERL_FILE_LOGGER_PATH" || true
 fi
 exit "$status"

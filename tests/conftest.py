@@ -28,7 +28,7 @@ import pytest
 import pytest_asyncio
 
 from spo_workbench.testing import verl_server as verl_server_module
-from spo_verl.tools.cpu_settings.tiny_model import build_tiny_qwen2, build_tiny_tokenizer
+from recipe.spo.cpu_settings.tiny_model import build_tiny_qwen2, build_tiny_tokenizer
 
 SERVER_FIXTURE = "verl_server"
 END_TO_END = "end_to_end"
@@ -162,10 +162,10 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture
 def cpu_tiny_cache(tiny_model, tmp_path):
-    """A cpu-tiny cache folder (spo_verl/tools/cpu_settings/cache.py) around the session's tiny model, without
+    """A cpu-tiny cache folder (recipe/spo/cpu_settings/cache.py) around the session's tiny model, without
     the setting's fine-tuning: for what never loads the model (a run refused before Ray) or
     loads it into the session's server."""
-    from spo_verl.tools.cpu_settings import tiny
+    from recipe.spo.cpu_settings import tiny
 
     cache = tmp_path / "cpu-tiny"
     cache.mkdir()
@@ -178,7 +178,7 @@ def cpu_tiny_cache(tiny_model, tmp_path):
 @pytest.fixture(scope="session")
 def smollm2_cache(tmp_path_factory):
     """The cpu-smollm2 setting's model folder and data, converted once per session (~40 s)."""
-    from spo_verl.tools.cpu_settings import smollm2 as cpu_smollm2
+    from recipe.spo.cpu_settings import smollm2 as cpu_smollm2
 
     folder = tmp_path_factory.mktemp("cpu-smollm2")
     paths = cpu_smollm2.build(folder)

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from spo_verl.tools.cpu_settings import smollm2
+from recipe.spo.cpu_settings import smollm2
 from spo_verl.core.credit.answer_errors import (count_kinds, error_kind, expected_steps, first_error, first_error_token,
                                                 main, question_of)
 from spo_verl.core.credit.dialogue_errors import first_wrong_turn, first_wrong_turn_token, turn_spans

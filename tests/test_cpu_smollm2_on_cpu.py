@@ -20,7 +20,7 @@ import torch
 from omegaconf import OmegaConf
 
 from spo_verl.adapters import config_resolvers
-from spo_verl.tools.cpu_settings import smollm2 as cpu_smollm2
+from recipe.spo.cpu_settings import smollm2 as cpu_smollm2
 
 
 @pytest.fixture(scope="module")

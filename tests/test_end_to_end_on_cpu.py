@@ -2,7 +2,7 @@
 user starts them (``scripts/run_*.sh``, which run the recipe's entry point ``recipe.spo.main_spo``):
 verl's TaskRunner and Ray worker groups, the FSDP2 engine training on gloo, verl's vLLM server on
 vLLM's CPU backend, verl's GSM8K reward, the SPO advantage step and loss, and verl's actor -> vLLM
-weight sync, on the tiny ``cpu-tiny`` setting (spo_verl/tools/cpu_settings/tiny.py). The README's command, with
+weight sync, on the tiny ``cpu-tiny`` setting (recipe/spo/cpu_settings/tiny.py). The README's command, with
 no settings, trains the CPU default (``cpu-smollm2``: SmolLM2-135M, whose tied head must sync into
 vLLM) for two steps, and the study command ``scripts/compare.sh --quick`` (SPO-tree forking at
 cutpoints, then SPO-chain) is stopped after its first checkpoint, resumed (the tree alone, then
@@ -39,8 +39,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from spo_verl.tools.cpu_settings import tiny as cpu_default
-from spo_verl.tools.metrics_log import read_logged_steps
+from recipe.spo.cpu_settings import tiny as cpu_default
+from recipe.spo.metrics_log import read_logged_steps
 
 pytestmark = pytest.mark.end_to_end
 
@@ -279,7 +279,7 @@ def _run_readme_command(work: Path) -> Run:
     """``bash scripts/run_spo_tree.sh`` with no settings, as the README shows it: on a machine without a
     GPU it must pick the CPU default (SmolLM2) itself. Only the model cache (built here, in the run's
     slot), the number of steps and the task (README_TASK) are the tests' own."""
-    from spo_verl.tools.cpu_settings import smollm2 as cpu_smollm2
+    from recipe.spo.cpu_settings import smollm2 as cpu_smollm2
 
     work.mkdir(parents=True)
     smollm2_folder = work / "cpu-smollm2"

@@ -263,11 +263,11 @@ def test_verls_padding_copies_of_a_row_count_in_no_chain_or_turn_metric():
 
 
 def test_the_dialogue_data_plays_to_its_answer_against_the_environment(tmp_path):
-    """The CPU settings' dialogues (spo_verl.tools.cpu_settings.dialogue): distinct, never below 1, worked
+    """The CPU settings' dialogues (recipe.spo.cpu_settings.dialogue): distinct, never below 1, worked
     examples as earlier chat turns, and the right numbers, turn by turn, end the episode with reward 1."""
     import pyarrow.parquet as pq
 
-    from spo_verl.tools.cpu_settings.dialogue import INSTRUCTION, write_dialogues
+    from recipe.spo.cpu_settings.dialogue import INSTRUCTION, write_dialogues
 
     train, held_out = write_dialogues(tmp_path, operations=3, train=30, held_out=10, seed=0, examples=[(3, ["+4", "-2"])])
     rows = pq.read_table(train).to_pylist() + pq.read_table(held_out).to_pylist()
@@ -340,7 +340,7 @@ def test_a_tree_over_turns_stops_where_the_episode_ends_and_refuses_more_depths_
 def test_dialogues_that_show_their_work_ask_for_it_and_still_end_on_the_answer():
     """``show_work`` (cpu-smollm2's dialogue2): the worked dialogues answer with the sum ("7 - 2 = 5"), the
     opening does not ask for the number alone, and such an answer ends the episode with its result read."""
-    from spo_verl.tools.cpu_settings.dialogue import INSTRUCTION, row
+    from recipe.spo.cpu_settings.dialogue import INSTRUCTION, row
 
     r = row(20, ["+4", "-6"], 18, "test", 0, examples=[(3, ["+4", "-2"])], show_work=True)
     assert r["prompt"] == [

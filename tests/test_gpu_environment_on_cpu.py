@@ -1,6 +1,6 @@
 """A GPU setting on a machine or Python that cannot train it stops before Ray, in seconds, saying what
 was checked; the launcher never takes the set-up script's CPU .venv for a GPU run
-(spo_verl/tools/gpu_environment.py, scripts/spo_launch.sh)."""
+(recipe/spo/checks_before_ray/gpu_environment.py, scripts/spo_launch.sh)."""
 
 import os
 import subprocess
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from spo_verl.tools import gpu_environment
+from recipe.spo.checks_before_ray import gpu_environment
 
 REPO = Path(__file__).resolve().parents[1]
 TORCH_IS_A_CUDA_BUILD = torch.version.cuda is not None  # the set-up's .venv has the CPU build
@@ -49,7 +49,7 @@ def test_a_gpu_run_uses_the_clusters_python_not_the_cpu_venv(tmp_path):
     result = subprocess.run(["bash", str(REPO / "scripts" / "run_spo_tree.sh")], env={**env, "SETTING": "math-r1-1.5b"},
                             capture_output=True, text=True, timeout=120, cwd="/")
     assert result.returncode == 2
-    assert f"cluster python3: {REPO}/spo_verl/tools/gpu_environment.py math-r1-1.5b" in result.stderr
+    assert f"cluster python3: {REPO}/recipe/spo/checks_before_ray/gpu_environment.py math-r1-1.5b" in result.stderr
 
 
 def test_a_missing_python_and_an_unknown_setting_are_named():

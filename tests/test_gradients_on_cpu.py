@@ -1,4 +1,4 @@
-"""The gradient measurement's maths (spo_verl.core.credit.gradients) checked exactly: on hand-built vectors
+"""The gradient measurement's maths (spo_workbench.credit.gradient_measures) checked exactly: on hand-built vectors
 (the cosine, the halves' correction, the paired interval), and on a tabular softmax policy whose every
 response can be enumerated, so the true gradient of expected reward is known exactly:
 
@@ -18,10 +18,10 @@ import statistics
 import pytest
 import torch
 
-from spo_verl.core.credit.gradients import (corrected_cosine, cosine, draw_alignment, halves_reliability,
+from spo_workbench.credit.gradient_measures import (corrected_cosine, cosine, draw_alignment, halves_reliability,
                                             leave_one_out_weights, reference_gradient, reference_objective,
                                             tokens_to_match)
-from spo_verl.core.student_t import paired_interval
+from spo_workbench.student_t import paired_interval
 
 
 def test_leave_one_out_weights_subtract_the_mean_of_the_other_rewards():

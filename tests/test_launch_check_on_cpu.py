@@ -20,7 +20,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from recipe.spo.launch_checks import FLASH_ATTN_INSTALL, check_attention
+from recipe.spo.checks_before_ray.launch_needs import FLASH_ATTN_INSTALL, check_attention
 
 # The set-up's CPU build reports flash-attn; a CUDA build of torch without flash-attn is refused.
 TORCH_IS_A_CUDA_BUILD = torch.version.cuda is not None
@@ -38,7 +38,7 @@ CLUSTER_SCRIPTS = {"run_spo_tree.sh": ("math-r1-1.5b", "spo_tree"), "run_spo_cha
 def data_dir(tmp_path_factory):
     """Every data set the cluster settings read, from raw records in each source's schema, by the user's
     own ``scripts/prepare_data.sh``."""
-    from spo_verl.tools.rehearsal.build import FAMILIES, prepare, write_raw
+    from recipe.spo.rehearsal.build import FAMILIES, prepare, write_raw
 
     folder = tmp_path_factory.mktemp("data")
     for family in FAMILIES.values():
@@ -52,8 +52,8 @@ def setting_models(tmp_path_factory):
     """A model folder per cluster setting in its architecture, its tokenizer trained with the setting's
     prompt template (the rehearsal's, without its fine-tune): the setting's prompts render at a length like
     the real tokenizer's, so verl's overlong-prompt filter keeps them as it would."""
-    from spo_verl.tools.rehearsal.__main__ import compose_shipped
-    from spo_verl.tools.rehearsal.build import FAMILIES, build_model, build_tokenizer
+    from recipe.spo.rehearsal.__main__ import compose_shipped
+    from recipe.spo.rehearsal.build import FAMILIES, build_model, build_tokenizer
 
     models = {}
     for setting in CLUSTER_SETTINGS:
@@ -90,7 +90,7 @@ def test_every_cluster_setting_passes_the_check_with_every_algorithm(setting, se
     path, a process each, below): one Python start instead of twelve."""
     from hydra import compose, initialize_config_dir
 
-    from recipe.spo.main_spo import checks_before_ray
+    from recipe.spo.checks_before_ray import check_before_ray
 
     monkeypatch.setenv("DATA_DIR", str(data_dir))
     for algorithm in ALGORITHMS:
@@ -99,10 +99,11 @@ def test_every_cluster_setting_passes_the_check_with_every_algorithm(setting, se
                                                                    f"actor_rollout_ref.model.path={setting_models[setting]}"])
         if TORCH_IS_A_CUDA_BUILD:  # a GPU user's torch (scripts/test_gpu_user_versions.sh), no flash-attn: refused
             with pytest.raises(SystemExit):
-                checks_before_ray(config, setting, require_gpu=False)
+                check_before_ray(config, setting, require_gpu=False)
             assert capsys.readouterr().err.strip().endswith(f"which this Python does not have: {FLASH_ATTN_INSTALL}")
             continue
-        found, gpu = checks_before_ray(config, setting, require_gpu=False)
+        report = check_before_ray(config, setting, require_gpu=False)
+        found, gpu = report.found, report.gpu
         assert f"actor_rollout_ref.model.path={setting_models[setting]}: model and tokenizer load" in found, algorithm
         train = f"data.train_files: {data_dir}/{'math' if setting.startswith('math') else 'gsm8k'}/train.parquet: 64 rows"
         [counted] = [line for line in found if line.startswith(train)]
@@ -120,7 +121,7 @@ def test_data_whose_every_prompt_is_too_long_is_refused_naming_the_shortest(tiny
     """verl's overlong-prompt filter would leave an empty dataset: refused before Ray, with the numbers."""
     from hydra import compose, initialize_config_dir
 
-    from recipe.spo.main_spo import checks_before_ray
+    from recipe.spo.checks_before_ray import check_before_ray
 
     monkeypatch.setenv("DATA_DIR", str(data_dir))
     with initialize_config_dir(config_dir=str(REPO / "recipe" / "spo" / "config"), version_base=None):
@@ -128,7 +129,7 @@ def test_data_whose_every_prompt_is_too_long_is_refused_naming_the_shortest(tiny
                                                                f"actor_rollout_ref.model.path={tiny_model[0]}",
                                                                "data.max_prompt_length=8"])
     with pytest.raises(SystemExit):
-        checks_before_ray(config, "math-r1-1.5b", require_gpu=False)
+        check_before_ray(config, "math-r1-1.5b", require_gpu=False)
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert re.fullmatch(rf"spo: data.train_files: {data_dir}/math/train.parquet: every prompt is longer than "
                         r"data.max_prompt_length=8 tokens \(the shortest has \d+\): verl's overlong-prompt filter "
@@ -457,7 +458,7 @@ def test_a_flash_attn_that_is_installed_but_does_not_import_is_refused(tmp_path,
 
 def test_more_gpus_per_node_than_the_node_sees_is_refused_where_it_sees_any():
     """A CUDA torch seeing 4 GPUs (none here: a stand-in, as above) and a login node seeing none."""
-    from recipe.spo.launch_checks import check_gpu_count
+    from recipe.spo.checks_before_ray.launch_needs import check_gpu_count
 
     def seeing(count):
         torch_module = cuda_torch()

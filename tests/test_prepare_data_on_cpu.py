@@ -1,4 +1,4 @@
-"""spo_verl.tools.data.prepare: raw MATH / MATH500 / AIME24 / GSM8K records -> verl parquet rows.
+"""recipe.spo.data.prepare: raw MATH / MATH500 / AIME24 / GSM8K records -> verl parquet rows.
 
 Small fixtures in the raw schema of each source are written to tmp_path, the CLI runs on them with
 --input-dir (nothing is downloaded), and the parquet files are read back with pandas. Every row's
@@ -17,8 +17,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from spo_verl.tools.data import prepare
-from spo_verl.tools.data.prepare import GSM8K_INSTRUCTION, MATH_INSTRUCTION, main
+from recipe.spo.data import prepare
+from recipe.spo.data.prepare import GSM8K_INSTRUCTION, MATH_INSTRUCTION, main
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -200,7 +200,7 @@ def test_verl_rl_dataset_reads_the_files(raw_dir, tmp_path, monkeypatch):
     from omegaconf import OmegaConf
     from verl.utils.dataset.rl_dataset import RLHFDataset
 
-    from spo_verl.tools.cpu_settings.tiny_model import build_tiny_tokenizer
+    from recipe.spo.cpu_settings.tiny_model import build_tiny_tokenizer
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
     out = tmp_path / "out"

@@ -1,5 +1,5 @@
 """The cluster settings' prompts are the SPO reference's text: a problem written by
-spo_verl/tools/data/prepare.py, read by verl's RLHFDataset with the setting's ``data`` config, rendered by
+recipe/spo/data/prepare.py, read by verl's RLHFDataset with the setting's ``data`` config, rendered by
 the chat template verl's model config installs (``actor_rollout_ref.model.custom_chat_template``) and
 tokenised by the Continuous Token builder verl's agent loops use, is exactly the prompt the reference
 builds for that model (its prompt library, BOS included where it prepends one).
@@ -17,9 +17,9 @@ from verl.utils.dataset.rl_dataset import RLHFDataset
 from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder
 from verl.workers.config.model import HFModelConfig
 
-from spo_verl.tools.cpu_settings.tiny_model import build_tiny_qwen2, build_tiny_tokenizer
-from spo_verl.tools.data.prepare import DATASETS
-from spo_verl.tools.data.prepare import main as prepare
+from recipe.spo.cpu_settings.tiny_model import build_tiny_qwen2, build_tiny_tokenizer
+from recipe.spo.data.prepare import DATASETS
+from recipe.spo.data.prepare import main as prepare
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -18,7 +18,7 @@ from verl.trainer.ppo.utils import need_critic, need_reference_policy
 from verl.utils.config import omega_conf_to_dataclass, validate_config
 
 from spo_verl.adapters.policy_loss import SPOPolicyLossConfig
-from spo_verl.adapters.trainer.validation import validate_spo_run
+from recipe.spo.checks_before_ray.configuration import validate_spo_run
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE_CONFIG = str(REPO / "recipe" / "spo" / "config")
@@ -207,9 +207,9 @@ def test_multi_turn_episodes_need_a_chat_template_that_ends_a_turn_with_eos(tiny
     ],
 )
 def test_segments_shorter_than_a_cache_block_are_warned_about_at_configuration_time(overrides, warning, caplog):
-    with caplog.at_level("WARNING", logger="spo_verl.adapters.trainer.validation"):
+    with caplog.at_level("WARNING", logger="recipe.spo.checks_before_ray.configuration"):
         validate_spo_run(compose_recipe(*overrides))
-    messages = [record.getMessage() for record in caplog.records if record.name == "spo_verl.adapters.trainer.validation"]
+    messages = [record.getMessage() for record in caplog.records if record.name == "recipe.spo.checks_before_ray.configuration"]
     if warning is None:
         assert messages == []
     else:
@@ -487,7 +487,7 @@ def test_a_mistyped_loss_mode_stops_the_run_script_with_one_line_before_ray(cpu_
 def test_another_verl_is_named_with_the_list_of_internals_to_check(capsys):
     import verl
 
-    from recipe.spo.main_spo import VERL_WRITTEN_FOR, warn_if_another_verl
+    from recipe.spo.checks_before_ray import VERL_WRITTEN_FOR, warn_if_another_verl
 
     assert verl.__version__ == VERL_WRITTEN_FOR and not warn_if_another_verl()  # the installed verl: silent
     assert capsys.readouterr().err == ""
@@ -498,11 +498,11 @@ def test_another_verl_is_named_with_the_list_of_internals_to_check(capsys):
 
 
 def test_a_refusal_is_one_line_and_status_2_unless_spo_debug_is_set(capsys, monkeypatch):
-    from recipe.spo.main_spo import validate_or_exit
+    from recipe.spo.checks_before_ray import check_configuration_or_exit
 
     monkeypatch.delenv("SPO_DEBUG", raising=False)
     with pytest.raises(SystemExit) as exited:
-        validate_or_exit(compose_recipe("algorithm.adv_estimator=grp"))
+        check_configuration_or_exit(compose_recipe("algorithm.adv_estimator=grp"))
     assert exited.value.code == 2
     assert capsys.readouterr().err == ("spo: algorithm.adv_estimator=grp is not a registered advantage estimator; "
                                        f"registered: {sorted(ADV_ESTIMATOR_REGISTRY)}\n")
@@ -510,12 +510,12 @@ def test_a_refusal_is_one_line_and_status_2_unless_spo_debug_is_set(capsys, monk
     with initialize_config_dir(config_dir=RECIPE_CONFIG, version_base=None):
         unresolved = compose(config_name="spo_trainer", overrides=[*CLUSTER, "algorithm.spo.tree.branching=[6,0,6]"])
     with pytest.raises(SystemExit):
-        validate_or_exit(unresolved)
+        check_configuration_or_exit(unresolved)
     assert capsys.readouterr().err == "spo: algorithm.spo.tree.branching[1] must be a positive integer, got 0\n"
 
     monkeypatch.setenv("SPO_DEBUG", "1")
     with pytest.raises(ValueError, match="algorithm.adv_estimator=grp is not a registered advantage estimator"):
-        validate_or_exit(compose_recipe("algorithm.adv_estimator=grp"))
+        check_configuration_or_exit(compose_recipe("algorithm.adv_estimator=grp"))
 
 
 def test_run_spo_chain_cfg_job_shows_the_papers_gsm8k_setting(tmp_path):

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from spo_verl.tools.rehearsal.__main__ import compose_shipped
-from spo_verl.tools.rehearsal.build import FAMILIES
-from spo_verl.tools.rehearsal.substitutions import (BATCH_FACTOR, DERIVED, LENGTH_FACTOR, Substitution, scaled_length,
+from recipe.spo.rehearsal.__main__ import compose_shipped
+from recipe.spo.rehearsal.build import FAMILIES
+from recipe.spo.rehearsal.substitutions import (BATCH_FACTOR, DERIVED, LENGTH_FACTOR, Substitution, scaled_length,
                                                     substitutions)
 
 ALGORITHMS = ["spo_tree", "spo_tree_cutpoint", "spo_chain", "grpo", "grpo_prob_mask", "ppo"]
@@ -91,7 +91,7 @@ def test_lengths_round_up_and_overrides_are_hydra_syntax():
 
 
 def test_a_setting_without_a_rehearsal_is_refused_with_the_rehearsed_ones(tmp_path):
-    from spo_verl.tools.rehearsal.__main__ import main
+    from recipe.spo.rehearsal.__main__ import main
 
     assert main(["cpu-tiny", "spo_tree", "--output-dir", str(tmp_path)]) == 2
     assert not any(Path(tmp_path).iterdir())
@@ -103,7 +103,7 @@ def test_an_exported_checkpoint_folder_that_holds_files_survives_the_rehearsal(t
     import os
     import subprocess
 
-    from spo_verl.tools import REPO
+    from recipe.spo import REPO
 
     real_run = tmp_path / "tree-666"
     (real_run / "global_step_950").mkdir(parents=True)

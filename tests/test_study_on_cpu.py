@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from spo_workbench.study import compare as study
-from spo_verl.tools.metrics_log import read_logged_steps
+from recipe.spo.metrics_log import read_logged_steps
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -193,7 +193,7 @@ def test_the_error_table_reads_each_runs_first_and_last_validation(tmp_path):
     import csv
     import json
 
-    from spo_verl.tools.cpu_settings import smollm2
+    from recipe.spo.cpu_settings import smollm2
 
     prompt = " ".join(turn["content"] for turn in smollm2.messages("What is 12 + 5 - 6?"))
     answers = {"0": [("12 + 5 = 16. 16 - 6 = 10.\n#### 10", 0.0), ("12 + 5 = 17. 17 - 6 = 11.\n#### 11", 1.0)],
@@ -224,7 +224,7 @@ def test_the_error_table_reads_each_runs_first_and_last_validation(tmp_path):
 
 
 def test_verls_metrics_file_is_read_with_an_unfinished_last_line(tmp_path):
-    from spo_verl.tools.metrics_log import merged_by_step
+    from recipe.spo.metrics_log import merged_by_step
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 0, "data": {"a": 1}}\n{"step": 0, "data": {"b": 2}}\n{"step": 1, "data": {"a": 3}}\n{"step": 2, "da')

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from spo_verl.core.student_t import t_quantile
+from spo_workbench.student_t import t_quantile
 from spo_workbench.study.verdict import Arm, arms, at_budget, main, paired, validations
 
 
@@ -172,7 +172,7 @@ def test_seed_pairs_needed_by_the_exact_noncentral_t_from_the_studies_at_budget_
     import statistics
     from pathlib import Path
 
-    from spo_verl.core.student_t import paired_t_power, pairs_needed
+    from spo_workbench.student_t import paired_t_power, pairs_needed
 
     results = Path(__file__).resolve().parents[1] / "docs" / "results"
 

@@ -12,7 +12,7 @@ import pytest
 import spo_verl.register  # noqa: F401
 from spo_verl.adapters.agent_loops.episode_agent_loop import SPOEpisodeAgentLoop, chat_reply_tokens
 from spo_verl.core.episodes.episode import ENDED_BY_ENVIRONMENT, ENVIRONMENT_ERROR
-from spo_verl.tools.cpu_settings.tiny_model import CHARACTERS, build_tiny_tokenizer
+from recipe.spo.cpu_settings.tiny_model import CHARACTERS, build_tiny_tokenizer
 from spo_workbench.testing.verl_harness import compose_ppo_trainer, make_agent_loop
 
 TOOL_MODULE = '''

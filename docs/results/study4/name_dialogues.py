@@ -30,7 +30,7 @@ from pathlib import Path
 import pandas as pd
 
 from spo_verl.adapters.agent_loops.sessions import row_problem
-from spo_verl.tools.cpu_settings.smollm2 import STUDY_VAL_FILE, TUNE_FILE, write_dialogue_data
+from recipe.spo.cpu_settings.smollm2 import STUDY_VAL_FILE, TUNE_FILE, write_dialogue_data
 from spo_workbench.study.archive import ANSWER_COLUMNS, ANSWERS_FILE, DUMPS, answer_rows
 
 HERE = Path(__file__).resolve().parent

@@ -32,9 +32,8 @@ from verl.utils.profiler import simple_timer
 from spo_verl.adapters.agent_loops.episode_agent_loop import EpisodePlayer, log_environment_error
 from spo_verl.adapters.agent_loops.sessions import Dialogue, PromptJobs, row_problem, session_output
 from spo_verl.core.algorithms.segments import cut_by_length_limit
-from spo_verl.adapters.tree_checks import check_cutpoint_tree_fits, check_tree_fits
 from spo_verl.adapters.settings import spo_settings
-from spo_verl.core.rollout.tree_shape import tree_segment_budgets
+from spo_verl.core.rollout.tree_shape import check_cutpoint_tree_fits, check_tree_fits, tree_segment_budgets
 from spo_verl.core.episodes.episode import ENDED_BY_ENVIRONMENT
 from spo_verl.core.rollout.turn_tree import sample_turn_tree
 from spo_verl.core.metadata import EpisodeStatistics, TreeLeafRow

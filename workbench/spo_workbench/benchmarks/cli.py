@@ -266,7 +266,7 @@ are dropped), which only helps when whole leaves have nothing to train.
 async def run_rollout(report: Report, quick: bool, repeats: int) -> tree_rollout.TreeResult | None:
     """Sections 1 and 2 on one server; returns the case section 5 measures its row tokens on (the
     largest forced-length tree)."""
-    from spo_verl.tools.cpu_settings.tiny_model import temporary_tiny_qwen2
+    from recipe.spo.cpu_settings.tiny_model import temporary_tiny_qwen2
 
     with temporary_tiny_qwen2() as model_dir:
         server = await rollout.start_server(model_dir)

@@ -21,7 +21,7 @@ QWEN2_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, n
 DRY_RUN = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False,
                rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-# The tests' tiny model scales its head to this logit std (spo_verl/tools/cpu_settings/tiny_model.py): a plain
+# The tests' tiny model scales its head to this logit std (recipe/spo/cpu_settings/tiny_model.py): a plain
 # random init predicts nearly uniformly over 151,936 tokens, where rounding barely moves a log-prob.
 LOGIT_STD = 2.5
 

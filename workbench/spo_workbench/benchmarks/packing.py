@@ -236,7 +236,7 @@ def main(argv=None) -> dict:
     start_process_group()  # before verl is imported
     import torch
 
-    from spo_verl.tools.cpu_settings.tiny_model import temporary_tiny_qwen2
+    from recipe.spo.cpu_settings.tiny_model import temporary_tiny_qwen2
 
     torch.set_num_threads(args.threads)
     with temporary_tiny_qwen2() as model_dir:

@@ -30,7 +30,7 @@ from pathlib import Path
 import psutil
 
 from spo_workbench import REPO
-from spo_verl.tools.metrics_log import read_logged_steps
+from recipe.spo.metrics_log import read_logged_steps
 
 PER_ROW = "per-row (verl's default)"
 PACKED = "packed + rollout log-probs"

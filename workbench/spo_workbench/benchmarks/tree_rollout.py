@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from spo_workbench.benchmarks.rollout import (BLOCK_SIZE, Counts, Side, agent_config, alternating_rounds, make_side,
                                                numbered_prompts)
 from spo_workbench.benchmarks.timing import Comparison
-from spo_verl.adapters.tree_checks import check_tree_fits
+from spo_verl.core.rollout.tree_shape import check_tree_fits
 from spo_verl.core.rollout.tree import aligned_budgets
 
 LATENCY, THROUGHPUT = "latency-bound", "throughput-bound"

@@ -240,7 +240,7 @@ def main(argv=None) -> str:
     args = parser.parse_args(argv)
     report = Report()
     if args.model == "tiny":
-        from spo_verl.tools.cpu_settings.tiny_model import temporary_tiny_qwen2
+        from recipe.spo.cpu_settings.tiny_model import temporary_tiny_qwen2
 
         with temporary_tiny_qwen2() as model_dir:
             tree_section(report, asyncio.run(tree_rollout.benchmark_trees(model_dir, tree_rollout.CASES, args.rounds)))
@@ -257,7 +257,7 @@ def main(argv=None) -> str:
 
 def smollm2_model() -> str:
     """The CPU default's model folder (built once into its cache, as the run scripts do)."""
-    from spo_verl.tools.cpu_settings import smollm2 as cpu_smollm2
+    from recipe.spo.cpu_settings import smollm2 as cpu_smollm2
 
     return cpu_smollm2.build(cpu_smollm2.default_cache())["model"]
 

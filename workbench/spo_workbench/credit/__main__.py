@@ -78,7 +78,7 @@ class Task:
 
 
 def smollm2_task(name: str, count: int) -> Task:
-    from spo_verl.tools.cpu_settings import smollm2
+    from recipe.spo.cpu_settings import smollm2
     from spo_verl.core.credit.answer_errors import expected_steps
 
     model = smollm2.build(smollm2.default_cache())["model"]
@@ -90,7 +90,7 @@ def smollm2_task(name: str, count: int) -> Task:
 
 
 def tiny_task(count: int) -> Task:
-    from spo_verl.tools.cpu_settings import tiny
+    from recipe.spo.cpu_settings import tiny
 
     paths = tiny.build(Path(os.environ.get("SPO_CPU_CACHE", Path.home() / ".cache" / "spo-verl" / "cpu-tiny")))
     pairs = tiny.problems()[80 : 80 + count]  # the held-out problems
@@ -328,7 +328,7 @@ def main(argv=None) -> int:
         _recompute(args.output_dir, args.from_responses)
         print((args.output_dir / "table.md").read_text(), end="")
         return 0
-    from spo_verl.tools.cpu_settings.smollm2 import TASKS
+    from recipe.spo.cpu_settings.smollm2 import TASKS
 
     if args.prompts < 2:
         parser.error(f"--prompts must be at least 2 (intervals are over prompts), got {args.prompts}")

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from spo_verl.core.credit.blame import Response, blame
-from spo_verl.core.student_t import paired_interval
+from spo_workbench.student_t import paired_interval
 from spo_workbench.credit.values import ValueRow
 from spo_workbench.report.response_view import advantage_colour
 

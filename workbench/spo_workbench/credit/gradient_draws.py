@@ -14,7 +14,7 @@ compared with.
   rows at a time, so no more than a chunk's logits are ever held, after the prompt the rows share,
   encoded once (:class:`SharedPrefix`).
 * The reference: plain samples, each response's sequence log-probability weighted by its reward less the
-  mean of the others (:func:`spo_verl.core.credit.gradients.leave_one_out_weights`).
+  mean of the others (:func:`spo_workbench.credit.gradient_measures.leave_one_out_weights`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from spo_verl.core.algorithms.advantages import SEGMENT_WEIGHTS
-from spo_verl.core.credit.gradients import leave_one_out_weights
+from spo_workbench.credit.gradient_measures import leave_one_out_weights
 from spo_workbench.credit.rollouts import SAMPLING, ChainSetup, Leaf, TreeSetup, gsm8k_score
 
 THRESHOLD = 0.9  # algorithm.spo.prob_mask.threshold, the paper's

@@ -12,7 +12,7 @@ right of 16, and kept only when its reference's halves agree, cosine at least 0.
 gradient is built from two halves of ``--reference-samples`` plain samples; a cost pass samples one unit of
 every estimator a prompt and fixes the units of a draw at each budget; then ``--draws`` draws of every
 estimator at every budget it fits, each one row of ``draws.csv`` with its cosine with the reference and
-that cosine corrected by the halves' agreement (``spo_verl.core.credit.gradients``). Started again with
+that cosine corrected by the halves' agreement (``spo_workbench.credit.gradient_measures``). Started again with
 the same arguments it reuses the prompts, references and costs it kept, and skips every draw already in
 ``draws.csv``. ``summary.csv``: each estimator's mean corrected cosine a budget (a draw whose update is
 zero counts 0, and their number is a column), and against GRPO paired over prompts (mean, standard
@@ -47,9 +47,9 @@ from typing import NamedTuple
 
 import torch
 
-from spo_verl.core.credit.gradients import (corrected_cosine, cosine, draw_alignment, halves_reliability,
+from spo_workbench.credit.gradient_measures import (corrected_cosine, cosine, draw_alignment, halves_reliability,
                                             tokens_to_match)
-from spo_verl.core.student_t import paired_interval
+from spo_workbench.student_t import paired_interval
 from spo_workbench.credit.gradient_draws import Estimator, GroupSetup
 from spo_workbench.credit.rollouts import PAPER_CHAIN, ChainSetup, TreeSetup, gsm8k_score, paper_tree
 
@@ -125,7 +125,7 @@ class PromptSet:
 def smollm2_prompt_set(task: str) -> PromptSet:
     """Candidates outside every split of the task: ``problems(1024, SEED + 3, task)`` less the training,
     held-out and tuning problems (the same draws as ``smollm2.write_data``)."""
-    from spo_verl.tools.cpu_settings import smollm2
+    from recipe.spo.cpu_settings import smollm2
 
     seen = {q for q, _ in smollm2.problems(smollm2.TRAIN_PROBLEMS, smollm2.SEED, task)}
     for seed, count in ((smollm2.SEED + 1, smollm2.STUDY_HELD_OUT_PROBLEMS), (smollm2.SEED + 2, smollm2.TUNE_PROBLEMS)):
@@ -140,7 +140,7 @@ def smollm2_prompt_set(task: str) -> PromptSet:
 
 
 def tiny_prompt_set() -> PromptSet:
-    from spo_verl.tools.cpu_settings import tiny
+    from recipe.spo.cpu_settings import tiny
 
     pairs = tiny.problems()[80:]  # the held-out problems
     candidates = [(f"c{i}", [{"role": "user", "content": tiny.question(a, b)}], str(a + b)) for i, (a, b) in enumerate(pairs)]
@@ -762,7 +762,7 @@ async def time_one_draw(plan: Plan, prompt_set: PromptSet, path: Path, client=No
 
 def _policy(spec: str) -> tuple[str, str]:
     if spec == "base":
-        from spo_verl.tools.cpu_settings import smollm2
+        from recipe.spo.cpu_settings import smollm2
 
         return "base", smollm2.build(smollm2.default_cache())["model"]
     name, _, path = spec.partition("=")
@@ -774,7 +774,7 @@ def _policy(spec: str) -> tuple[str, str]:
 def quick_plan(parameters: str = "last_blocks") -> tuple[Plan, PromptSet]:
     """``--quick``: cpu-tiny (its cache at ``SPO_CPU_CACHE``), 2 prompts, budgets of 100 and 200 tokens,
     2 draws, references of 2 x 16 samples, no screening (the rule is for SmolLM2's prompts)."""
-    from spo_verl.tools.cpu_settings import tiny
+    from recipe.spo.cpu_settings import tiny
 
     cache = Path(os.environ.get("SPO_CPU_CACHE", Path.home() / ".cache" / "spo-verl" / "cpu-tiny"))
     model_dir = tiny.build(cache)["model"]

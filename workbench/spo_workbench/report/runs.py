@@ -33,7 +33,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from spo_verl.tools.metrics_log import merged_by_step
+from recipe.spo.metrics_log import merged_by_step
 from spo_verl.adapters.trainer.sample_log import read_records
 
 REWARD_KEY = "critic/score/mean"

@@ -5,7 +5,7 @@ solves leaves no headroom; one it never solves gives GRPO and SPO no signal).
     python -m spo_workbench.study.calibration [--tasks add_sub,add_sub_add,add_add,mul_add] [--problems 256] [--samples 4]
     python -m spo_workbench.study.calibration --tasks dialogue3     # a multi-turn task: its episodes played out
 
-For each task of ``spo_verl.tools.cpu_settings.smollm2.TASKS``: held-out-style problems (the data's held-out seed),
+For each task of ``recipe.spo.cpu_settings.smollm2.TASKS``: held-out-style problems (the data's held-out seed),
 the prompt the training data uses (worked examples as earlier chat turns), vLLM on the CPU with the
 rollout's settings (float32, the task's ``data.max_response_length`` new tokens), scored by verl's GSM8K scorer as training scores them.
 Prints greedy accuracy (what validation measures) and sampled accuracy at temperature 1 (what the
@@ -35,7 +35,7 @@ def measure(tasks: list[str], count: int, samples: int, cache: Path) -> dict:
     from verl.utils.reward_score.gsm8k import compute_score
     from vllm import LLM, SamplingParams
 
-    from spo_verl.tools.cpu_settings import smollm2 as cpu_smollm2
+    from recipe.spo.cpu_settings import smollm2 as cpu_smollm2
 
     model = cpu_smollm2.build(cache)["model"]
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -105,7 +105,7 @@ def play_dialogues(llm, tokenizer, task: str, rows: list[dict], temperature: flo
     from spo_verl.adapters.agent_loops.episode_agent_loop import chat_reply_tokens
     from spo_verl.core.episodes.environment import environment_factory
     from spo_verl.core.episodes.episode import EpisodeRules, play
-    from spo_verl.tools.cpu_settings import smollm2 as cpu_smollm2
+    from recipe.spo.cpu_settings import smollm2 as cpu_smollm2
 
     spec = cpu_smollm2.DIALOGUE_TASKS[task]
     rules = EpisodeRules(spec.operations, spec.response_tokens, {tokenizer.eos_token_id}, spec.max_turn_tokens)
@@ -142,8 +142,8 @@ def measure_dialogues(tasks: list[str], count: int, samples: int, cache: Path) -
     from transformers import AutoTokenizer
     from vllm import LLM
 
-    from spo_verl.tools.cpu_settings import smollm2 as cpu_smollm2
-    from spo_verl.tools.cpu_settings.dialogue import dialogues, row
+    from recipe.spo.cpu_settings import smollm2 as cpu_smollm2
+    from recipe.spo.cpu_settings.dialogue import dialogues, row
 
     model = cpu_smollm2.build(cache)["model"]
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -178,9 +178,9 @@ def main(argv=None) -> dict:
     from spo_verl.adapters.cpu_platform.environment import cpu_run_env
 
     os.environ.update({**cpu_run_env(), "VLLM_CPU_KVCACHE_SPACE": "2"})
-    from spo_verl.tools.cpu_settings.smollm2 import default_cache
+    from recipe.spo.cpu_settings.smollm2 import default_cache
 
-    from spo_verl.tools.cpu_settings.smollm2 import DIALOGUE_TASKS
+    from recipe.spo.cpu_settings.smollm2 import DIALOGUE_TASKS
 
     tasks = [t for t in args.tasks.split(",") if t]
     multi_turn = [t for t in tasks if t in DIALOGUE_TASKS]

@@ -50,7 +50,7 @@ from pathlib import Path
 import psutil
 
 from spo_workbench import REPO
-from spo_verl.tools.metrics_log import read_logged_steps
+from recipe.spo.metrics_log import read_logged_steps
 
 ALGORITHMS = ("spo_tree", "spo_chain", "grpo", "grpo_prob_mask", "spo_tree_cutpoint")
 SETTINGS = ("cpu-smollm2", "cpu-tiny", "gsm8k-rhomath-1.1b", "math-r1-1.5b")
@@ -315,7 +315,7 @@ def _launch_env(study: Study, folder: "RunFolder", algorithm: str, seed: int, me
         TOTAL_TRAINING_STEPS=str(study.max_steps), TEST_FREQ=str(study.val_every), SAVE_FREQ=str(study.val_every),
     )
     if study.setting == "cpu-smollm2":  # the study's held-out set: 256 problems (the run scripts use 64 of them)
-        from spo_verl.tools.cpu_settings import smollm2 as cpu_smollm2
+        from recipe.spo.cpu_settings import smollm2 as cpu_smollm2
 
         task = study.task or cpu_smollm2.DEFAULT_TASK
         env["SMOLLM2_TASK"] = task
@@ -460,7 +460,7 @@ def write_error_table(study: Study, path: Path) -> Path | None:
     (``spo_verl.core.credit.answer_errors``), one CSV row per (algorithm, seed, step), shares of the answers.
     None for a multi-turn task: the kinds are those of one arithmetic problem's worked answer. A run
     restored from a study's archive keeps each answer's score but not its text, so it has no row."""
-    from spo_verl.tools.cpu_settings.smollm2 import DIALOGUE_TASKS
+    from recipe.spo.cpu_settings.smollm2 import DIALOGUE_TASKS
 
     if study.setting != "cpu-smollm2" or study.task in DIALOGUE_TASKS:
         return None
@@ -551,7 +551,7 @@ def parse_args(argv=None) -> Study:
     parser.add_argument("--val-every", type=int, help=f"validate and checkpoint every N steps (default {DEFAULTS['val_every']})")
     parser.add_argument("--max-steps", type=int, help=f"step bound per run (default {DEFAULTS['max_steps']})")
     parser.add_argument("--task", help="cpu-smollm2's generated task (default add_sub; the tasks of "
-                                       "spo_verl/tools/cpu_settings/smollm2.py, docs/RESULTS.md)")
+                                       "recipe/spo/cpu_settings/smollm2.py, docs/RESULTS.md)")
     parser.add_argument("--validate-on", choices=("test", "tune"), default="test",
                         help="cpu-smollm2: validate on the held-out problems (test, default) or on the problems "
                              "kept for tuning (tune: choosing settings never looks at the test set)")
@@ -598,7 +598,7 @@ def parse_args(argv=None) -> Study:
         parser.error(f"--prompts-per-step must be an even number of at least 2 (two optimizer steps), got "
                      f"{args.prompts_per_step}")
     if args.task is not None:
-        from spo_verl.tools.cpu_settings.smollm2 import ALL_TASKS, DIALOGUE_TASKS
+        from recipe.spo.cpu_settings.smollm2 import ALL_TASKS, DIALOGUE_TASKS
 
         if values["setting"] != "cpu-smollm2":
             parser.error(f"--task picks a task of the cpu-smollm2 setting, not of {values['setting']}")

@@ -32,8 +32,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from spo_verl.core.student_t import PairedInterval, paired_interval
-from spo_verl.tools.metrics_log import read_logged_steps
+from spo_workbench.student_t import PairedInterval, paired_interval
+from recipe.spo.metrics_log import read_logged_steps
 from spo_workbench.standard_error import mean_and_se
 
 CUMULATIVE = "spo/generated_tokens_cumulative"

@@ -16,7 +16,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from spo_verl.tools import gpu_environment
+import recipe.spo.checks_before_ray.gpu_environment as gpu_environment
 
 # verl's own pin (its ``fsdp`` extra); it builds against the torch already installed.
 FLASH_ATTN_INSTALL = "pip install flash-attn==2.8.3 --no-build-isolation"

@@ -1,4 +1,4 @@
-"""``python -m spo_verl.tools.rehearsal SETTING ALGORITHM --output-dir DIR``: builds the setting's stand-ins
+"""``python -m recipe.spo.rehearsal SETTING ALGORITHM --output-dir DIR``: builds the setting's stand-ins
 (once; reused from DIR) and prints, as shell assignments for ``scripts/rehearse.sh``, the model, the data
 folder (``DATA_DIR``) and the substitutions as Hydra overrides; the substitutions with their reasons go
 to stderr, for the person running it."""
@@ -10,9 +10,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from spo_verl.tools import REPO
-from spo_verl.tools.rehearsal.build import FAMILIES, build, longest_prompt
-from spo_verl.tools.rehearsal.substitutions import DERIVED, substitutions
+from recipe.spo import REPO
+from recipe.spo.rehearsal.build import FAMILIES, build, longest_prompt
+from recipe.spo.rehearsal.substitutions import DERIVED, substitutions
 
 RECIPE_CONFIG = REPO / "recipe" / "spo" / "config"
 

@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from spo_verl.tools import REPO
+from recipe.spo import REPO
 
 VERSION = 5  # bump when what is built changes, so caches are rebuilt
 SEED = 0
@@ -111,7 +111,7 @@ def build_tokenizer(folder: Path, family: Family, template: str):
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from spo_verl.tools.cpu_settings.tiny_model import _QWEN2_PRETOKENIZE_REGEX
+    from recipe.spo.cpu_settings.tiny_model import _QWEN2_PRETOKENIZE_REGEX
 
     specials = list(dict.fromkeys((family.bos, family.eos, *family.specials)))
     tokenizer = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
@@ -153,7 +153,7 @@ def fine_tune(folder: Path, family: Family, template: str, steps: int = FINE_TUN
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from spo_verl.tools.cpu_settings.tiny_model import train_on_answers
+    from recipe.spo.cpu_settings.tiny_model import train_on_answers
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     tokenizer.chat_template = template

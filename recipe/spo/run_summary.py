@@ -1,6 +1,6 @@
 """One readable line per training step from verl's file logger (``trainer.logger`` with ``file``).
 
-    python -m spo_verl.tools.run_summary logs/spo/<experiment>/metrics-<time>.jsonl
+    python -m recipe.spo.run_summary logs/spo/<experiment>/metrics-<time>.jsonl
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import sys
 
-from spo_verl.tools.metrics_log import read_logged_steps
+from recipe.spo.metrics_log import read_logged_steps
 
 def _packed_share(data: dict):
     """Tokens the actor update's forwards computed, as a share of the tokens its rows hold."""

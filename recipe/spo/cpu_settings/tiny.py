@@ -5,14 +5,14 @@ is downloaded) into a cache folder.
   ``openai/gsm8k`` and the answer as ground truth, so verl's own GSM8K reward scores it (1 for
   ``#### <answer>``, else 0). 80 problems train, 20 held out for validation. Beside them, two-turn
   arithmetic dialogues for the multi-turn environment ``arithmetic_dialogue``
-  (``data/dialogue_{train,val}.parquet``, :mod:`spo_verl.tools.cpu_settings.dialogue`; the tiny model
+  (``data/dialogue_{train,val}.parquet``, :mod:`recipe.spo.cpu_settings.dialogue`; the tiny model
   is not tuned on them: they exercise the episode's path, not learning).
-* Model: the tiny Qwen2 of :mod:`spo_verl.tools.cpu_settings.tiny_model` (2 layers, character tokenizer),
+* Model: the tiny Qwen2 of :mod:`recipe.spo.cpu_settings.tiny_model` (2 layers, character tokenizer),
   briefly fine-tuned on worked answers ("3+4=7\\n#### 7") so that, sampled at temperature 1, it is
   right some of the time but not mostly: rewards differ between samples, so GRPO and SPO
   advantages are not all zero.
 
-    python -m spo_verl.tools.cpu_settings.tiny --output-dir ~/.cache/spo-verl/cpu-default   # prints the paths
+    python -m recipe.spo.cpu_settings.tiny --output-dir ~/.cache/spo-verl/cpu-default   # prints the paths
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from spo_verl.tools.cpu_settings.cache import cached_build, run_cli
-from spo_verl.tools.cpu_settings.dialogue import write_dialogues
+from recipe.spo.cpu_settings.cache import cached_build, run_cli
+from recipe.spo.cpu_settings.dialogue import write_dialogues
 
 DATA_SOURCE = "openai/gsm8k"
 INSTRUCTION = "Answer after ####."
@@ -56,7 +56,7 @@ def row(a: int, b: int, split: str, index: int) -> dict:
 
 
 def write_data(directory: Path) -> tuple[Path, Path]:
-    from spo_verl.tools.data.prepare import write_rows
+    from recipe.spo.data.prepare import write_rows
 
     pairs = problems()
     train, val = pairs[:80], pairs[80:]
@@ -72,7 +72,7 @@ def fine_tune(model_dir: Path, steps: int = FINE_TUNE_STEPS) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from spo_verl.tools.cpu_settings.tiny_model import train_on_answers
+    from recipe.spo.cpu_settings.tiny_model import train_on_answers
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
@@ -95,7 +95,7 @@ def build(output_dir: str | Path) -> dict[str, str]:
 
 
 def _make(output_dir: Path) -> None:
-    from spo_verl.tools.cpu_settings.tiny_model import build_tiny_qwen2, build_tiny_tokenizer
+    from recipe.spo.cpu_settings.tiny_model import build_tiny_qwen2, build_tiny_tokenizer
 
     model_dir = output_dir / "model"
     tokenizer = build_tiny_tokenizer(model_dir)

@@ -8,7 +8,7 @@ how close one estimator's update is to the true gradient of expected reward, aft
 * The cosine of two flat gradients, and its correction for the reference's own noise from the agreement
   of two independent halves (:func:`corrected_cosine`; the derivation is in STUDY.md).
 * The tokens an estimator needs to match a target cosine (the paired interval over prompts that the
-  test reports is :func:`spo_verl.core.student_t.paired_interval`, shared with the studies).
+  test reports is :func:`spo_workbench.student_t.paired_interval`, shared with the studies).
 
 Plain tensors and floats only: no framework, so the exact tests can check it on an enumerable policy.
 """

@@ -103,7 +103,7 @@ def write_dialogues(directory: Path, operations: int, train: int, held_out: int,
                     examples: Sequence[tuple[int, Sequence[str]]] = ()) -> tuple[Path, Path]:
     """``dialogue_train.parquet`` and ``dialogue_val.parquet`` under ``directory``: ``train`` and
     ``held_out`` distinct dialogues of ``operations`` turns."""
-    from spo_verl.tools.data.prepare import write_rows
+    from recipe.spo.data.prepare import write_rows
 
     trained, kept = dialogues(operations, (train, held_out), seed)
     train_path, val_path = directory / "dialogue_train.parquet", directory / "dialogue_val.parquet"

@@ -1,4 +1,5 @@
-"""Configuration-time checks of an SPO run, before Ray or any GPU is touched.
+"""An SPO run's configuration, checked before Ray or any GPU is touched: the SPO settings against verl's
+rollout and trainer settings, the micro-batches, the nodes, and the names verl will look up.
 
 The agent loop, advantage estimator, policy loss and reward function a run names are looked up here,
 as verl 0.9.1 would look them up once Ray runs. verl internals this relies on:
@@ -16,6 +17,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import logging
+import os
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -27,14 +29,13 @@ from verl.tools.tool_registry import load_all_tools
 from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, POLICY_LOSS_REGISTRY, AdvantageEstimator
 from verl.utils.import_utils import FILE_PATH_PREFIX, PKG_PATH_PREFIX, import_external_libs, resolve_config_path
 
-import spo_verl.register  # noqa: F401  (agent loops registered before they are looked up)
+import spo_verl.register  # noqa: F401  (the plugin's names registered before they are looked up)
 from spo_verl.adapters.agent_loops.tool_environment import VERL_TOOLS
 from spo_verl.adapters.policy_loss import LOSS_NAME
 from spo_verl.adapters.trainer.common import SPO_AGENT_LOOPS, SPO_ESTIMATORS, TRAINER_MODE, plays_episodes
-from spo_verl.adapters.tree_checks import check_cutpoint_tree_fits, check_tree_fits
 from spo_verl.adapters.settings import spo_settings
 from spo_verl.core.episodes.environment import environment_factory
-from spo_verl.core.rollout.tree_shape import tree_segment_budgets
+from spo_verl.core.rollout.tree_shape import check_cutpoint_tree_fits, check_tree_fits, tree_segment_budgets
 
 logger = logging.getLogger(__name__)
 
@@ -342,3 +343,43 @@ def check_packed_training(config: Any) -> None:
     for name, value in unsupported.items():
         if value:
             raise ValueError(f"{key} does not support {name}={value}; turn it off or set packing.enable=false")
+
+
+# verl's actor worker asserts this after Ray and the models are up.
+MOST_GPUS_LISTED = 64
+
+
+def check_micro_batches(config: Any) -> None:
+    """With micro-batches of a set number of rows (``use_dynamic_bsz=false``), an optimizer step's rows
+    (``ppo_mini_batch_size`` x ``rollout.n``) must split evenly over the GPUs (verl's actor worker asserts
+    it, after Ray and the models are up) and then into whole micro-batches: the reference loss whitens over
+    each micro-batch (docs/FIDELITY.md, item 6), so a short last one would be a group of another size."""
+    actor = config.actor_rollout_ref.actor
+    micro = actor.get("ppo_micro_batch_size_per_gpu", None)
+    if actor.use_dynamic_bsz or not micro:
+        return
+    rows = actor.ppo_mini_batch_size * config.actor_rollout_ref.rollout.n
+    trainer = config.trainer
+    gpus = trainer.n_gpus_per_node * trainer.nnodes
+    if rows % gpus == 0 and (rows // gpus) % micro == 0:
+        return
+    allowed = [count for count in range(1, MOST_GPUS_LISTED + 1) if rows % count == 0 and (rows // count) % micro == 0]
+    raise ValueError(
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={actor.ppo_mini_batch_size} x actor_rollout_ref.rollout.n="
+        f"{config.actor_rollout_ref.rollout.n} = {rows} rows an optimizer step over trainer.n_gpus_per_node="
+        f"{trainer.n_gpus_per_node} (GPUS_PER_NODE) x trainer.nnodes={trainer.nnodes} (NNODES) = {gpus} GPUs is not a "
+        f"whole number of micro-batches of actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro} rows on each: "
+        f"GPU counts that are: {', '.join(map(str, allowed)) or 'none'}")
+
+
+def check_nodes_join_a_cluster(config: Any) -> None:
+    """Several nodes train only in a Ray cluster started on them, which the launch joins: without an address
+    it would start a Ray of its own on this node and wait for the other nodes' GPUs for ever."""
+    nodes = config.trainer.nnodes
+    ray_init = (config.get("ray_kwargs") or {}).get("ray_init") or {}
+    if nodes > 1 and not (ray_init.get("address") or os.environ.get("RAY_ADDRESS")):
+        raise ValueError(
+            f"trainer.nnodes={nodes} (NNODES) needs a running Ray cluster of {nodes} nodes to join, and this launch "
+            "names none: start Ray on every node (ray start --head on this one, ray start --address=<head>:6379 on the "
+            "others) and launch with +ray_kwargs.ray_init.address=auto (or RAY_ADDRESS=<head>:6379); on one node, "
+            "NNODES=1 (docs/CLUSTER.md, \"Several nodes\")")

@@ -19,7 +19,7 @@ Ground truths are extracted with the helpers of the scorer that will grade them 
 ``last_boxed_only_string``/``remove_boxed`` for MATH, ``gsm8k.extract_solution`` for GSM8K), so the
 stored answer has exactly the form the scorer compares against.
 
-Run ``python -m spo_verl.tools.data.prepare --help`` (or ``bash scripts/prepare_data.sh --help``).
+Run ``python -m recipe.spo.data.prepare --help`` (or ``bash scripts/prepare_data.sh --help``).
 verl is imported lazily: it takes seconds, and ``--help`` or a bad ``--datasets`` should not wait.
 """
 

