@@ -17,11 +17,16 @@ from omegaconf import OmegaConf
 from verl.trainer import main_ppo_v0
 from verl.trainer.main_ppo import TaskRunnerV1
 
-import spo_verl.register  # noqa: F401  (estimators, loss and agent loop in this process)
-from spo_verl.adapters.trainer import v1  # noqa: F401  (registers the 'spo' trainer mode)
-from spo_verl.adapters.trainer.legacy import SPORayPPOTrainer
-from spo_verl.adapters.settings import spo_settings
-from spo_verl.adapters.trainer.packed_worker import SPOActorRolloutRefWorker, use_packed_worker
+from spo_verl.adapters import registration
+
+# SPO's estimators, loss and agent loops in this process (the one Ray starts for a runner too, where
+# verl's plugins may be turned off), before the trainers below import their verl modules.
+registration.install()
+
+from spo_verl.adapters.trainer import v1  # noqa: E402, F401  (registers the 'spo' trainer mode)
+from spo_verl.adapters.trainer.legacy import SPORayPPOTrainer  # noqa: E402
+from spo_verl.adapters.settings import spo_settings  # noqa: E402
+from spo_verl.adapters.trainer.packed_worker import SPOActorRolloutRefWorker, use_packed_worker  # noqa: E402
 
 
 class _SPOTaskRunnerV1(TaskRunnerV1.__ray_actor_class__):

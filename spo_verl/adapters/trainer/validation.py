@@ -27,7 +27,7 @@ from verl.tools.tool_registry import load_all_tools
 from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, POLICY_LOSS_REGISTRY, AdvantageEstimator
 from verl.utils.import_utils import FILE_PATH_PREFIX, PKG_PATH_PREFIX, import_external_libs, resolve_config_path
 
-import spo_verl.register  # noqa: F401  (agent loops registered before they are looked up)
+from spo_verl.adapters.registration import install as install_registration  # noqa: F401  (run by verl's entry point when verl is imported above)
 from spo_verl.adapters.agent_loops.tool_environment import VERL_TOOLS
 from spo_verl.adapters.policy_loss import LOSS_NAME
 from spo_verl.adapters.trainer.common import SPO_AGENT_LOOPS, SPO_ESTIMATORS, TRAINER_MODE, plays_episodes
