@@ -219,7 +219,7 @@ def test_a_turn_cut_by_max_turn_tokens_goes_to_the_environment_and_the_reply_clo
 def test_per_turn_metrics_of_a_batch_of_episodes():
     """``spo/turns/*`` from each row's episode as the agent loops hand it on (any algorithm's; a copy
     that trains nothing has none), with SPO-chain's values before each turn where a row has them."""
-    from spo_verl.adapters.trainer.common import episodes_from_extra_fields
+    from spo_verl.adapters.trainer.transfer_queue_batch import episodes_from_extra_fields
     from spo_verl.adapters.trainer.step_metrics import turn_metrics
     from spo_verl.adapters.agent_loops.sessions import Dialogue, session_output
     from spo_verl.core.metadata import ChainRow, EpisodeStatistics

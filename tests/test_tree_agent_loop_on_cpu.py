@@ -13,7 +13,7 @@ from verl.trainer.ppo.ray_trainer import compute_advantage
 
 import spo_verl.register  # noqa: F401
 from spo_verl.adapters.agent_loops.tree_agent_loop import SPOTreeAgentLoop
-from spo_verl.adapters.trainer.common import episodes_from_extra_fields
+from spo_verl.adapters.trainer.transfer_queue_batch import episodes_from_extra_fields
 from spo_verl.adapters.trainer.step_metrics import batch_metrics
 from spo_verl.core.algorithms import tree_node_advantages, tree_values
 from spo_verl.adapters.advantage_channel import provide_spo_rows

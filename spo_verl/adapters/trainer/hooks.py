@@ -5,13 +5,28 @@ generated tokens against the budget."""
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping
+from functools import partial
 from typing import Any
 
 from spo_verl.core.config import SPOSettings
+from spo_verl.adapters.policy_loss import LOSS_NAME, spo_ppo_loss
 from spo_verl.adapters.settings import spo_settings
-from spo_verl.adapters.trainer.common import install_spo_actor_loss
 from spo_verl.adapters.trainer.packed_worker import enable_packed_training_on
 from spo_verl.adapters.trainer.token_budget import GENERATED_TOKENS, GeneratedTokenBudget
+
+
+def install_spo_actor_loss(actor_worker_group: Any, config: Any) -> bool:
+    """Put ``spo_ppo_loss`` (verl's ``ppo_loss`` plus the reference's masked KL) on the actor workers
+    when the ``spo_prob_mask`` loss is selected. Returns whether it was installed."""
+    if config.actor_rollout_ref.actor.policy_loss.get("loss_mode", "vanilla") != LOSS_NAME:
+        return False
+    if config.get("distillation", {}).get("enabled", False):
+        return False  # verl's distillation loss wraps ppo_loss itself; keep verl's
+    from verl.utils.config import omega_conf_to_dataclass
+
+    actor_config = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+    actor_worker_group.set_loss_fn(partial(spo_ppo_loss, config=actor_config))
+    return True
 
 
 class SPOTrainerHooks:

@@ -20,8 +20,9 @@ from verl.trainer.ppo.ray_trainer import RayPPOTrainer, compute_advantage
 
 from spo_verl.adapters.advantage_channel import advantages_at_actor_update
 from spo_verl.adapters.trainer import dataproto_batch
-from spo_verl.adapters.trainer.common import plain_validation, uses_spo_metadata
+from spo_verl.core.metadata import SPO_ALGORITHMS
 from spo_verl.adapters.trainer.hooks import SPOTrainerHooks
+from spo_verl.adapters.trainer.plain_validation import plain_validation
 from spo_verl.adapters.trainer.step import advantage_inputs, after_advantages
 from spo_verl.adapters.trainer.step_metrics import lift_spo_metrics
 from spo_verl.adapters.trainer.tree_balance import tree_order
@@ -61,7 +62,8 @@ class SPORayPPOTrainer(SPOTrainerHooks, RayPPOTrainer):
         self.install_spo_on_workers()
 
     def fit(self):
-        with advantages_at_actor_update() if uses_spo_metadata(self.config) else contextlib.nullcontext():
+        deferred = self.config.algorithm.adv_estimator in SPO_ALGORITHMS
+        with advantages_at_actor_update() if deferred else contextlib.nullcontext():
             return super().fit()
 
     def _balance_batch(self, batch, metrics, logging_prefix="global_seqlen", keep_minibatch=False):

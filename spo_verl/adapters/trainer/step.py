@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from spo_verl.core.config import SPOSettings
+from spo_verl.core.metadata import SPO_ALGORITHMS
 from spo_verl.adapters.advantage_channel import SPOBatchContext, is_padding_uid, provide_spo_rows
-from spo_verl.adapters.trainer.common import SPO_ESTIMATORS
 from spo_verl.adapters.trainer.step_metrics import batch_metrics, turn_metrics, without_padding
 from spo_verl.adapters.trainer.credit_step import step_credit_metrics
 from spo_verl.adapters.trainer.sample_log import SampledResponse, log_step
@@ -51,7 +51,7 @@ class BatchView:
 def advantage_inputs(view: BatchView, estimator: str, settings: SPOSettings) -> Iterator[SPOBatchContext | None]:
     """Run verl's advantage step inside: the SPO estimators read ``view.rows`` and what they compute
     lands in the yielded context (None for verl's own estimators, which need nothing)."""
-    if estimator not in SPO_ESTIMATORS:
+    if estimator not in SPO_ALGORITHMS:
         yield None
         return
     with provide_spo_rows(list(view.rows), settings) as context:

@@ -30,7 +30,9 @@ from verl.utils.import_utils import FILE_PATH_PREFIX, PKG_PATH_PREFIX, import_ex
 from spo_verl.adapters.registration import install as install_registration  # noqa: F401  (run by verl's entry point when verl is imported above)
 from spo_verl.adapters.agent_loops.tool_environment import VERL_TOOLS
 from spo_verl.adapters.policy_loss import LOSS_NAME
-from spo_verl.adapters.trainer.common import SPO_AGENT_LOOPS, SPO_ESTIMATORS, TRAINER_MODE, plays_episodes
+from spo_verl.adapters.agent_loops.episode_agent_loop import plays_episodes
+from spo_verl.adapters.trainer.v1 import TRAINER_MODE
+from spo_verl.core.metadata import SPO_ALGORITHMS as SPO_AGENT_LOOPS, SPO_ALGORITHMS as SPO_ESTIMATORS
 from spo_verl.adapters.tree_checks import check_cutpoint_tree_fits, check_tree_fits
 from spo_verl.adapters.settings import spo_settings
 from spo_verl.core.episodes.environment import environment_factory
