@@ -27,7 +27,8 @@ from PIL import Image
 from spo_verl.adapters.advantage_channel import provide_spo_rows
 from spo_verl.adapters.settings import spo_settings
 from spo_verl.adapters.estimators import compute_spo_chain_advantage, compute_spo_tree_advantage
-from spo_verl.adapters.trainer.sample_log import SAMPLES_FILE, SampledResponse, append_record, step_record
+from spo_verl.adapters.trainer.batch_view import SampledResponse
+from spo_verl.adapters.trainer.sample_log import SAMPLES_FILE, append_record, step_record
 
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"

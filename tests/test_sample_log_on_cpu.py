@@ -15,7 +15,8 @@ from spo_verl.adapters.advantage_channel import provide_spo_rows
 from spo_verl.core.config import SPOConfigError, parse_spo_settings
 from spo_verl.adapters.settings import spo_settings
 from spo_verl.adapters.estimators import compute_spo_chain_advantage, compute_spo_tree_advantage
-from spo_verl.adapters.trainer.sample_log import SampledResponse, choose_rows, step_record
+from spo_verl.adapters.trainer.batch_view import SampledResponse
+from spo_verl.adapters.trainer.sample_log import choose_rows, step_record
 
 
 class CharTokenizer:

@@ -398,8 +398,8 @@ def test_credit_metrics_of_dialogues_place_the_first_wrong_turn_and_leave_out_th
 def test_the_per_turn_blame_leaves_out_episodes_wrong_from_their_first_turn():
     """Two wrong episodes under one advantage an episode (-0.5 on every model token): wrong at turn 1, all
     its blame is on the error; wrong at turn 2, half. spo/credit/* averages both, spo/turns/* the second."""
-    from spo_verl.adapters.trainer.credit_step import step_credit_metrics
-    from spo_verl.adapters.trainer.sample_log import SampledResponse
+    from spo_verl.adapters.trainer.credit_metrics import step_credit_metrics
+    from spo_verl.adapters.trainer.batch_view import SampledResponse
 
     def episode(index, first, second):
         text = first + DIALOGUE_REPLY + second
@@ -473,8 +473,8 @@ def test_the_turns_credit_tool_shows_a_shared_turns_advantage_on_every_leaf_thro
 
 def test_credit_metrics_leave_out_a_trees_stand_in_rows():
     """A stand-in row (a copy of a real leaf in an unused slot, ``trains`` false) is not a second answer."""
-    from spo_verl.adapters.trainer.credit_step import step_credit_metrics
-    from spo_verl.adapters.trainer.sample_log import SampledResponse
+    from spo_verl.adapters.trainer.credit_metrics import step_credit_metrics
+    from spo_verl.adapters.trainer.batch_view import SampledResponse
 
     prompt, wrong = "What is 3 + 4 + 2?", "3 + 4 = 8. 8 + 2 = 10. #### 10"
     ids = [ord(c) for c in wrong]

@@ -47,7 +47,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -58,47 +58,13 @@ from spo_verl.core.algorithms.tree_rows import build_forest
 from spo_verl.core.config import SPOSettings
 from spo_verl.adapters.advantage_channel import TreeNodes, is_padding_uid
 from spo_verl.adapters.estimators import scores_zero
-from spo_verl.core.metadata import ChainRow, EpisodeStatistics, SPORow, TreeLeafRow, episode_from_extra_field, from_extra_field
+from spo_verl.adapters.trainer.batch_view import SampledResponse
+from spo_verl.core.metadata import ChainRow, SPORow, TreeLeafRow, from_extra_field
 
 logger = logging.getLogger(__name__)
 
 SAMPLES_FILE = "samples.jsonl"
 DIGITS = 6
-
-
-@dataclass
-class SampledResponse:
-    """One chosen row of the batch, as plain per-token sequences (the trainer adapters fetch them)."""
-
-    batch_index: int  # row index in the step's batch (what SPOBatchContext is indexed by)
-    uid: str
-    row: SPORow | None  # the row's SPO metadata (a dict as the agent loop wrote it is read), None for plain rows
-    prompt_ids: list[int]
-    response_ids: list[int]
-    log_probs: torch.Tensor  # (L,) p_old as log-probabilities (old_log_probs)
-    response_mask: torch.Tensor  # (L,) before SPO narrows it to the trained segments
-    advantages: torch.Tensor  # (L,)
-    trained: torch.Tensor  # (L,) bool: in the loss
-    score: float
-    episode: EpisodeStatistics | None = None  # a multi-turn episode's (as the agent loop wrote it, or read)
-
-    def __post_init__(self):
-        self.row = from_extra_field(self.row)
-        self.episode = episode_from_extra_field(self.episode)
-
-    @classmethod
-    def of_row(cls, context, index: int, uid: str, prompt_ids: list[int], response_ids: list[int],
-               log_probs: torch.Tensor, response_mask: torch.Tensor, advantages: torch.Tensor,
-               score: float, episode: Any = None) -> SampledResponse:
-        """Row ``index`` of a step's batch as either trainer reads it; ``context``: the step's
-        SPOBatchContext (None for a baseline), whose rows and trained mask it takes; ``episode``: the
-        row's ``extra_fields[EPISODE_FIELD]``."""
-        trained = response_mask.bool()
-        if context is not None and context.trained_mask is not None:
-            trained = trained & context.trained_mask[index, :response_mask.numel()].bool()
-        return cls(batch_index=index, uid=uid, row=context.rows[index] if context is not None else None,
-                   prompt_ids=prompt_ids, response_ids=response_ids, log_probs=log_probs, response_mask=response_mask,
-                   advantages=advantages, trained=trained, score=score, episode=episode)
 
 
 def _usable(index: int, uids, lengths, rows, padding) -> bool:

@@ -21,30 +21,10 @@ from spo_verl.core.config import SPOSettings
 from spo_verl.core.metadata import SPO_ALGORITHMS
 from spo_verl.adapters.advantage_channel import SPOBatchContext, is_padding_uid, provide_spo_rows
 from spo_verl.adapters.trainer.step_metrics import batch_metrics, turn_metrics, without_padding
-from spo_verl.adapters.trainer.credit_step import step_credit_metrics
-from spo_verl.adapters.trainer.sample_log import SampledResponse, log_step
+from spo_verl.adapters.trainer.credit_metrics import step_credit_metrics
+from spo_verl.adapters.trainer.batch_view import BatchView, SampledResponse
+from spo_verl.adapters.trainer.sample_log import log_step
 from spo_verl.adapters.trainer.token_budget import GENERATED_TOKENS, step_generated_tokens
-
-
-@dataclass
-class BatchView:
-    """One training batch as the SPO step reads it, whichever trainer holds it.
-
-    ``rows``: each row's SPO metadata (``extra_fields["spo"]``), None where it has none; ``episodes``:
-    each row's multi-turn episode statistics; ``uids``; ``response_mask`` (rows x response width),
-    before SPO narrows it; ``fetch(context, indices)``: those rows as plain per-token sequences, read
-    after the advantage step."""
-
-    rows: Sequence[Any]
-    episodes: Sequence[Any]
-    uids: Sequence[str]
-    response_mask: torch.Tensor
-    fetch: Callable[[SPOBatchContext | None, list[int]], list[SampledResponse]]
-
-    @property
-    def padding(self) -> list[bool]:
-        """verl's padding rows (copies of a real row, named by their uid): they count nowhere."""
-        return [is_padding_uid(uid) for uid in self.uids]
 
 
 @contextlib.contextmanager

@@ -20,8 +20,7 @@ from transfer_queue import KVBatchMeta
 from verl.workers.utils.padding import response_to_nested
 
 from spo_verl.core.metadata import EPISODE_FIELD, SPO_FIELD, EpisodeStatistics, episode_from_extra_field
-from spo_verl.adapters.trainer.sample_log import SampledResponse
-from spo_verl.adapters.trainer.step import BatchView
+from spo_verl.adapters.trainer.batch_view import BatchView, SampledResponse
 
 #: Per-response-token fields written after the rollout (the advantage step, old and reference
 #: log-probs, values, rollout-correction weights). verl's padding rows copy every field of a real row
