@@ -1,10 +1,10 @@
 """The sample log: a few trained responses per step, the way a person wants to see them.
 
-With ``algorithm.spo.diagnostics.sample_log.dir`` set, both trainer adapters (``spo_verl.adapters.trainer.v1`` and
-``spo_verl.adapters.trainer.legacy``) call this module after verl's advantage step, on the driver, for every
-algorithm (the ``grpo`` baselines too: plain responses, one segment each), and append one JSON line
-per training step to ``<dir>/samples.jsonl``. The cost is a handful of rows per step: which rows is
-decided from the uids and lengths alone, and only those rows are fetched and decoded.
+With ``algorithm.spo.diagnostics.sample_log.dir`` set, SPO's step (``spo_verl.adapters.trainer.step``, on
+both trainers) calls this module after verl's advantage step, on the driver, for every algorithm (the
+``grpo`` baselines too: plain responses, one segment each), and appends one JSON line per training step
+to ``<dir>/samples.jsonl``. The cost is a handful of rows per step: which rows is decided from the uids
+and lengths alone, and only those rows are fetched and decoded.
 ``python -m spo_workbench.report`` draws the segments and the tree from it.
 
 One line (``step_record``)::
@@ -239,7 +239,7 @@ def tree_record(responses: Sequence[SampledResponse], records: Sequence[dict], t
 
 def step_record(
     step: int,
-    algorithm_config: Any,
+    estimator: str,
     loss_mode: str,
     responses: Sequence[SampledResponse],
     tokenizer: Any,
@@ -247,8 +247,8 @@ def step_record(
     tree_nodes: TreeNodes | None = None,
 ) -> dict:
     """One line of ``samples.jsonl`` for the chosen responses of a step (see the module docstring);
+    ``estimator``: ``algorithm.adv_estimator``; ``loss_mode``: the actor's ``policy_loss.loss_mode``;
     ``settings``: the trainer's ``algorithm.spo``."""
-    estimator = algorithm_config.get("adv_estimator")
     threshold = settings.prob_mask.threshold
     record: dict[str, Any] = {
         "step": int(step), "algorithm": estimator, "loss_mode": loss_mode, "prob_mask_threshold": threshold,
@@ -288,7 +288,8 @@ def read_records(path: str | Path) -> list[dict]:
 
 def log_step(
     step: int,
-    config: Any,
+    estimator: str,
+    loss_mode: str,
     tokenizer: Any,
     uids: Sequence[Any],
     lengths: Sequence[int],
@@ -299,18 +300,16 @@ def log_step(
     padding: Sequence[bool] | None = None,
 ) -> Path | None:
     """Choose the rows of a step, fetch them (``fetch(batch indices)``), write one line. Returns the
-    file written, or None when the sample log is off or no row qualifies. ``spo_settings``: the
-    trainer's ``algorithm.spo``."""
+    file written, or None when the sample log is off or no row qualifies. ``estimator``, ``loss_mode``:
+    as :func:`step_record` takes them; ``spo_settings``: the trainer's ``algorithm.spo``."""
     settings = spo_settings.diagnostics.sample_log
     if settings.dir is None:
         return None
-    estimator = config.algorithm.get("adv_estimator")
     chosen = choose_rows(estimator, uids, lengths, settings.responses_per_step, rows=rows, tree_nodes=tree_nodes,
                          padding=padding)
     if not chosen:
         return None
-    loss_mode = config.get("actor_rollout_ref", {}).get("actor", {}).get("policy_loss", {}).get("loss_mode", "vanilla")
-    record = step_record(step, config.algorithm, loss_mode, fetch(chosen), tokenizer, spo_settings,
+    record = step_record(step, estimator, loss_mode, fetch(chosen), tokenizer, spo_settings,
                          tree_nodes=tree_nodes)
     try:
         return append_record(settings.dir, record)

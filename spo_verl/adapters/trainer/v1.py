@@ -2,9 +2,9 @@
 the v1 trainer mode ``spo`` (``TRAINER_MODE``); it runs as verl's ``sync`` mode in everything else, so verl's checks on the
 literal mode name still hold. Over verl's ``PPOTrainerSync``:
 
-* ``_compute_advantage`` runs verl's advantage step inside SPO's step (``step.py``) on the batch read
-  from TransferQueue (``transfer_queue_batch.py``) and writes the loss mask narrowed to the trained
-  segments back;
+* ``_compute_advantage`` runs SPO's step (``step.py``) around verl's own ``_compute_advantage`` on the
+  batch read from TransferQueue (``transfer_queue_batch.py``), applies its result and writes the loss
+  mask narrowed to the trained segments back;
 * ``_update_actor`` sends the actor only the rows that train a token (none: no forward/backward);
 * ``_balance_batch`` keeps each prompt's rows together under packed training (``tree_balance.py``),
   ``_init_resource_pool_mgr`` maps the packed worker, ``init`` installs SPO's loss and packed forwards;
@@ -15,6 +15,7 @@ literal mode name still hold. Over verl's ``PPOTrainerSync``:
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from omegaconf import open_dict
@@ -25,7 +26,6 @@ from spo_verl.adapters.trainer import transfer_queue_batch as stored_batch
 from spo_verl.adapters.trainer.hooks import SPOTrainerHooks
 from spo_verl.adapters.trainer.packed_worker import use_packed_worker
 from spo_verl.adapters.trainer.plain_validation import plain_validation
-from spo_verl.adapters.trainer.step import advantage_inputs, after_advantages
 from spo_verl.adapters.trainer.step_metrics import lift_spo_metrics
 from spo_verl.adapters.trainer.tree_balance import balance_keeping_trees
 
@@ -85,11 +85,10 @@ class SPOTrainer(SPOTrainerHooks, PPOTrainerSync):
 
     def _compute_advantage(self, batch, metrics: dict):
         stored = stored_batch.read_stored(batch)
-        view = stored_batch.view_of(batch, stored)
-        with advantage_inputs(view, self.config.algorithm.adv_estimator, self.spo_settings) as context:
-            batch = super()._compute_advantage(batch, metrics)
-        step_metrics, trained = after_advantages(view, context, self.spo_settings, self)
-        self.record_spo_step(step_metrics, metrics)
+        batch, step = self.run_spo_step(stored_batch.view_of(batch, stored),
+                                        partial(super()._compute_advantage, batch, metrics))
+        self.apply_spo_step(step, metrics)
+        trained = step.trained_mask
         self._spo_rows_to_train = None if trained is None else trained.sum(dim=1) > 0
         return batch if trained is None else stored_batch.write_trained_mask(batch, stored, trained)
 
