@@ -1,7 +1,9 @@
 """verl TaskRunners that train with SPO; ``run_ppo(config, task_runner_class=...)`` starts them.
 
-Both subclass verl's own runners. The v1 runner only makes sure the ``spo`` trainer mode is registered
-in the TaskRunner process (verl looks the mode up there). verl's legacy ``TaskRunner.run`` builds
+Importing this module installs SPO's names in verl (``spo_verl.adapters.registration``) in the process
+that imports it, the one Ray starts for a runner included. Both runners subclass verl's own. The v1
+runner only makes sure the ``spo`` trainer mode is registered in the TaskRunner process (verl looks the
+mode up there). verl's legacy ``TaskRunner.run`` builds
 ``RayPPOTrainer`` by name, with no way to pass another class; the legacy runner's ``run`` takes the
 same steps with verl's own functions (worker roles, config validation, tokenizer, resource pools,
 datasets, sampler) and builds ``SPORayPPOTrainer`` instead, and with packed training its
