@@ -13,8 +13,8 @@ from spo_verl.core.algorithms import (
     delimiter_segment_starts,
     fixed_count_segment_starts,
     probability_mask,
-    tree_advantages,
-    tree_advantages_batched,
+    tree_node_advantages,
+    tree_node_advantages_batched,
     tree_values,
     tree_values_batched,
 )
@@ -93,7 +93,7 @@ def test_fixed_count_and_delimiter_partitions():
 def test_tree_worked_example():
     values = tree_values(PAPER_PARENTS, PAPER_LEAF_REWARDS)
     assert values[:4] == pytest.approx([5 / 9, 2 / 3, 1.0, 0.0])
-    advantages = tree_advantages(PAPER_PARENTS, values)
+    advantages = tree_node_advantages(PAPER_PARENTS, values)
     assert advantages[:4] == pytest.approx([0, 1 / 9, 4 / 9, -5 / 9])
     assert advantages[4:7] == pytest.approx([1 / 3, -2 / 3, 1 / 3])
     assert advantages[7:] == [0.0] * 6
@@ -101,7 +101,7 @@ def test_tree_worked_example():
 
 def test_tree_worked_example_std_normalized():
     values = tree_values(PAPER_PARENTS, PAPER_LEAF_REWARDS)
-    advantages = tree_advantages(PAPER_PARENTS, values, std_normalize=True)
+    advantages = tree_node_advantages(PAPER_PARENTS, values, std_normalize=True)
     assert advantages[1:4] == pytest.approx([0.26726, 1.06904, -1.33631], abs=1e-5)
     assert advantages[4:7] == pytest.approx([0.70711, -1.41421, 0.70711], abs=1e-5)
     assert advantages[7:] == [0.0] * 6
@@ -142,7 +142,7 @@ def test_siblings_are_centred_and_batched_tree_matches_reference():
     for _ in range(200):
         parents, rewards = random_tree(rng)
         values = tree_values(parents, rewards)
-        plain = tree_advantages(parents, values)
+        plain = tree_node_advantages(parents, values)
         children = {}
         for node, parent in enumerate(parents):
             children.setdefault(parent, []).append(node)
@@ -154,8 +154,8 @@ def test_siblings_are_centred_and_batched_tree_matches_reference():
         batched_values = tree_values_batched(parent_tensor, leaf_tensor)
         assert batched_values.tolist() == pytest.approx(values, abs=1e-12)
         for std_normalize in (False, True):
-            reference = tree_advantages(parents, values, std_normalize=std_normalize)
-            batched = tree_advantages_batched(parent_tensor, batched_values, std_normalize=std_normalize)
+            reference = tree_node_advantages(parents, values, std_normalize=std_normalize)
+            batched = tree_node_advantages_batched(parent_tensor, batched_values, std_normalize=std_normalize)
             assert batched.tolist() == pytest.approx(reference, abs=1e-9)
             assert torch.isfinite(batched).all()
 
@@ -170,13 +170,13 @@ def test_batched_tree_handles_a_forest_and_degenerate_trees():
     leaf_rewards[offset] = 0.5
     leaf_rewards[offset + 2] = 1.0
     values = tree_values_batched(torch.tensor(parents), leaf_rewards)
-    advantages = tree_advantages_batched(torch.tensor(parents), values, std_normalize=True)
+    advantages = tree_node_advantages_batched(torch.tensor(parents), values, std_normalize=True)
     assert values[offset:].tolist() == [0.5, 1.0, 1.0]
     assert advantages[offset:].tolist() == [0.0, 0.0, 0.0]  # a lone child gets 0
     assert advantages[1:4].tolist() == pytest.approx([0.26726, 1.06904, -1.33631], abs=1e-5)
     empty = torch.zeros(0, dtype=torch.long)
     assert tree_values_batched(empty, torch.zeros(0)).numel() == 0
-    assert tree_advantages_batched(empty, torch.zeros(0), std_normalize=True).numel() == 0
+    assert tree_node_advantages_batched(empty, torch.zeros(0), std_normalize=True).numel() == 0
 
 
 def test_one_level_tree_equals_verl_grpo_without_std():
@@ -196,7 +196,7 @@ def test_one_level_tree_equals_verl_grpo_without_std():
     leaf_index = [n for n, p in enumerate(parents) if p >= 0]
     leaf_rewards[leaf_index] = torch.tensor(rewards, dtype=torch.float64)
     values = tree_values_batched(torch.tensor(parents), leaf_rewards)
-    tree = tree_advantages_batched(torch.tensor(parents), values)[leaf_index]
+    tree = tree_node_advantages_batched(torch.tensor(parents), values)[leaf_index]
 
     length = 5
     token_rewards = torch.zeros(len(rewards), length, dtype=torch.float64)
@@ -291,7 +291,7 @@ def test_tree_rows_token_advantages_are_exactly_the_reference():
         order = [0] + nodes
         parents = [-1] + [order.index(parent_of[n]) for n in nodes]
         leaf_rewards = {order.index(rows[i][1][-1]): float(rewards[i]) for i in members}
-        advantages = dict(zip(order, tree_advantages(parents, tree_values(parents, leaf_rewards))))
+        advantages = dict(zip(order, tree_node_advantages(parents, tree_values(parents, leaf_rewards))))
         owned = set()
         for i in members:
             start = 0
@@ -368,7 +368,7 @@ def _former_tree_token_advantages(tree_ids, paths, segment_ends, rewards, respon
         leaves, rows_of_leaves = zip(*leaf_rows)
         leaf_rewards[list(leaves)] = rewards[list(rows_of_leaves)].double()
     values = tree_values_batched(parents, leaf_rewards)
-    node_advantages = tree_advantages_batched(parents, values, std_normalize=std_normalize)
+    node_advantages = tree_node_advantages_batched(parents, values, std_normalize=std_normalize)
     rows = torch.arange(batch_size)[:, None].expand_as(node_table)
     present = node_table >= 0
     owner = torch.full((len(forest.parents),), batch_size, dtype=torch.long)

@@ -250,8 +250,8 @@ async def test_the_episode_loop_plays_the_same_dialogue_without_values(tiny_mode
     assert len(calls) == 2 * len(outputs)  # two turns an episode, no continuations
     # Where the blame goes (spo/credit/*) reads these episodes through the tokenizer: every wrong one that
     # played both turns is placed at its first wrong turn; only one cut by the length limit may be not.
-    from spo_verl.adapters.trainer.credit_step import step_credit_metrics
-    from spo_verl.adapters.trainer.sample_log import SampledResponse
+    from spo_verl.adapters.trainer.credit_metrics import step_credit_metrics
+    from spo_verl.adapters.trainer.batch_view import SampledResponse
 
     sampled = [SampledResponse(batch_index=i, uid="dialogue2", row=None, prompt_ids=out.prompt_ids,
                                response_ids=out.response_ids, log_probs=torch.tensor(out.response_logprobs),

@@ -174,7 +174,7 @@ async def test_tree_and_grpo_advantages_of_the_same_leaves_through_verl(llm_clie
     one number, its reward against its prompt's others in verl's normalisation."""
     import statistics
 
-    from spo_verl.core.algorithms import tree_advantages, tree_values
+    from spo_verl.core.algorithms import tree_node_advantages, tree_values
     from spo_workbench.credit.rollouts import TreeSetup, rollout_config, sample_rollouts, tree_and_grpo_responses
 
     model_dir, tokenizer = tiny_model
@@ -209,7 +209,7 @@ async def test_tree_and_grpo_advantages_of_the_same_leaves_through_verl(llm_clie
         order = list(ids)
         parents = [order.index(ids[n]) if ids[n] != -1 else -1 for n in order]
         rewards = {order.index(row["path"][-1]): 0.0 if row["truncated"] else leaves[i].score for i, row in zip(members, rows)}
-        expected = dict(zip(order, tree_advantages(parents, tree_values(parents, rewards))))
+        expected = dict(zip(order, tree_node_advantages(parents, tree_values(parents, rewards))))
         trained_nodes = []
         for i, row in zip(members, rows):
             start = 0

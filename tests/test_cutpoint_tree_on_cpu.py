@@ -14,7 +14,7 @@ from verl.workers.rollout.replica import TokenOutput
 
 import spo_verl.register  # noqa: F401
 from spo_verl.adapters.agent_loops.tree_agent_loop import SPOTreeAgentLoop
-from spo_verl.core.algorithms import tree_advantages, tree_values
+from spo_verl.core.algorithms import tree_node_advantages, tree_values
 from spo_verl.adapters.advantage_channel import provide_spo_rows
 from spo_verl.core.config import CutpointTreeSettings
 from spo_verl.core.rollout.tree_shape import cutpoint_tree_max_leaves, leaf_slots
@@ -263,7 +263,7 @@ async def test_cutpoint_tree_on_verls_server(recording_client, tiny_model):
     order = [0, *sorted(parents)]
     values = tree_values([order.index(parents[n]) if n else -1 for n in order],
                          {order.index(n): r for n, r in leaf_rewards.items()})
-    node_advantages = tree_advantages([order.index(parents[n]) if n else -1 for n in order], values)
+    node_advantages = tree_node_advantages([order.index(parents[n]) if n else -1 for n in order], values)
     expected_trained = sum(lengths[n] for n in parents if node_advantages[order.index(n)] != 0)
     assert int(trained.sum()) == expected_trained
     for row, out in enumerate(leaves):

@@ -219,7 +219,7 @@ def test_a_turn_cut_by_max_turn_tokens_goes_to_the_environment_and_the_reply_clo
 def test_per_turn_metrics_of_a_batch_of_episodes():
     """``spo/turns/*`` from each row's episode as the agent loops hand it on (any algorithm's; a copy
     that trains nothing has none), with SPO-chain's values before each turn where a row has them."""
-    from spo_verl.adapters.trainer.common import episodes_from_extra_fields
+    from spo_verl.adapters.trainer.transfer_queue_batch import episodes_from_extra_fields
     from spo_verl.adapters.trainer.step_metrics import turn_metrics
     from spo_verl.adapters.agent_loops.sessions import Dialogue, session_output
     from spo_verl.core.metadata import ChainRow, EpisodeStatistics
@@ -293,7 +293,7 @@ def test_a_tree_over_turns_branches_between_turns_and_values_each_leaf_by_its_ep
     followed by the environment's reply; their children play the rest of the episode on their own fork
     of the environment. Leaves 6 (right), 7 under 8 and 7, 7 under 9: V = 1, 0, 0, 0; V(8) = 0.5,
     V(9) = 0, V(prompt) = 0.25; the replies are out of the mask."""
-    from spo_verl.core.algorithms import tree_advantages, tree_values
+    from spo_verl.core.algorithms import tree_node_advantages, tree_values
     from spo_verl.core.rollout.turn_tree import sample_turn_tree
 
     tree = asyncio.run(sample_turn_tree(ScriptedModel(), "t", PROMPT, {}, environment(), render, decode, RULES, [2, 2]))
@@ -309,7 +309,7 @@ def test_a_tree_over_turns_branches_between_turns_and_values_each_leaf_by_its_ep
     assert tree.response_mask(3) == [1, 1, 0, 0, 0, 1, 1] and tree.segment_ends(3) == [5, 7]
     values = tree_values(parents, {leaf: tree.nodes[leaf].reward for leaf in tree.leaves()})
     assert values == [0.25, 0.5, 0.0, 1.0, 0.0, 0.0, 0.0]
-    assert tree_advantages(parents, values) == [0.0, 0.25, -0.25, 0.5, -0.5, 0.0, 0.0]
+    assert tree_node_advantages(parents, values) == [0.0, 0.25, -0.25, 0.5, -0.5, 0.0, 0.0]
 
 
 def test_a_tree_over_turns_stops_where_the_episode_ends_and_refuses_more_depths_than_turns():

@@ -49,3 +49,9 @@ def test_external_lib_hook():
 def test_double_import_is_harmless():
     code = "import verl, importlib, spo_verl.register; importlib.reload(spo_verl.register); " + CHECK
     assert run_python(code) == REGISTERED
+
+
+def test_the_task_runners_module_registers_everything_itself():
+    # The process Ray starts for a TaskRunner imports the runner's module, where verl's plugins may be off.
+    code = "import spo_verl.adapters.trainer.runners; " + CHECK
+    assert run_python(code, VERL_USE_EXTERNAL_PLUGINS="none") == REGISTERED

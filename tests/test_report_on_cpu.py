@@ -27,7 +27,8 @@ from PIL import Image
 from spo_verl.adapters.advantage_channel import provide_spo_rows
 from spo_verl.adapters.settings import spo_settings
 from spo_verl.adapters.estimators import compute_spo_chain_advantage, compute_spo_tree_advantage
-from spo_verl.adapters.trainer.sample_log import SAMPLES_FILE, SampledResponse, append_record, step_record
+from spo_verl.adapters.trainer.batch_view import SampledResponse
+from spo_verl.adapters.trainer.sample_log import SAMPLES_FILE, append_record, step_record
 
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"
@@ -94,7 +95,7 @@ def tree_record(step):
     probs = [0.5, 0.97, 0.3, 0.99, 0.8]
     responses = [response(b, TREE_ROWS[b], ids, advantages[b], trained[b], TREE_SCORES[b], probs[: len(ids)])
                  for b, ids in enumerate(TREE_IDS)]
-    return step_record(step, config, "spo_prob_mask", responses, WordTokenizer(), spo_settings(config), tree_nodes=context.tree_nodes)
+    return step_record(step, config.adv_estimator, "spo_prob_mask", responses, WordTokenizer(), spo_settings(config), tree_nodes=context.tree_nodes)
 
 
 def chain_record(step):
@@ -107,14 +108,14 @@ def chain_record(step):
     with provide_spo_rows([row]):
         advantages, _ = compute_spo_chain_advantage(rewards, torch.ones(1, len(ids)), index=np.array(["q1"]), config=config)
     chosen = response(0, row, ids, advantages[0], torch.ones(len(ids), dtype=torch.bool), 1.0, probs)
-    return step_record(step, config, "spo_prob_mask", [chosen], WordTokenizer(), spo_settings(config))
+    return step_record(step, config.adv_estimator, "spo_prob_mask", [chosen], WordTokenizer(), spo_settings(config))
 
 
 def grpo_record(step):
     ids = [5, 6, 7, 9, 14]
     config = OmegaConf.create({"adv_estimator": "grpo", "spo": {}})
     chosen = response(0, None, ids, torch.full((5,), -0.7), torch.ones(5, dtype=torch.bool), 0.0, [0.6, 0.95, 0.99, 0.5, 0.9])
-    return step_record(step, config, "spo_prob_mask", [chosen], WordTokenizer(), spo_settings(config))
+    return step_record(step, config.adv_estimator, "spo_prob_mask", [chosen], WordTokenizer(), spo_settings(config))
 
 
 @pytest.fixture(scope="module")

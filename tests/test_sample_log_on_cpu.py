@@ -15,7 +15,8 @@ from spo_verl.adapters.advantage_channel import provide_spo_rows
 from spo_verl.core.config import SPOConfigError, parse_spo_settings
 from spo_verl.adapters.settings import spo_settings
 from spo_verl.adapters.estimators import compute_spo_chain_advantage, compute_spo_tree_advantage
-from spo_verl.adapters.trainer.sample_log import SampledResponse, choose_rows, step_record
+from spo_verl.adapters.trainer.batch_view import SampledResponse
+from spo_verl.adapters.trainer.sample_log import choose_rows, step_record
 
 
 class CharTokenizer:
@@ -77,7 +78,7 @@ def test_tree_record_has_the_estimators_values_and_advantages():
     assert chosen == [0, 1, 2, 3]  # spo_tree: every leaf of the tree, whatever responses_per_step
     trained = context.trained_mask & response_mask.bool()
     responses = [sampled(b, TREE_ROWS[b], TREE_LENGTHS[b], advantages[b], trained[b], TREE_REWARDS[b]) for b in chosen]
-    record = step_record(7, config, "spo_prob_mask", responses, CharTokenizer(), spo_settings(config), tree_nodes=context.tree_nodes)
+    record = step_record(7, config.adv_estimator, "spo_prob_mask", responses, CharTokenizer(), spo_settings(config), tree_nodes=context.tree_nodes)
     json.dumps(record)  # plain JSON
     assert (record["step"], record["algorithm"], record["loss_mode"]) == (7, "spo_tree", "spo_prob_mask")
     assert record["prob_mask_threshold"] == 0.9 and record["prob_mask_applied"] is True
@@ -116,7 +117,7 @@ def test_probability_mask_flags_follow_the_threshold():
     log_probs = probs.log()
     response = sampled(0, None, 5, torch.full((5,), 0.7), torch.ones(5, dtype=torch.bool), 1.0, log_probs=log_probs)
     grpo = algorithm("grpo", prob_mask={"threshold": 0.9})
-    record = step_record(1, grpo, "spo_prob_mask", [response], CharTokenizer(), spo_settings(grpo))
+    record = step_record(1, grpo.adv_estimator, "spo_prob_mask", [response], CharTokenizer(), spo_settings(grpo))
     logged = record["responses"][0]
     expected = (log_probs.exp() < 0.9).int().tolist()  # p_old < threshold, as the loss masks
     assert logged["in_prob_mask"] == expected and expected[2:] == [1, 1, 1] and expected[0] == 0
@@ -125,7 +126,7 @@ def test_probability_mask_flags_follow_the_threshold():
     assert logged["segments"] == [{"start": 0, "end": 5, "advantage": pytest.approx(0.7), "value_before": None,
                                    "value_after": None, "cutpoint": False, "node": None, "trained": True}]
     grpo = algorithm("grpo", prob_mask={"threshold": 0.5})
-    plain = step_record(1, grpo, "vanilla", [response], CharTokenizer(), spo_settings(grpo))
+    plain = step_record(1, grpo.adv_estimator, "vanilla", [response], CharTokenizer(), spo_settings(grpo))
     assert plain["prob_mask_applied"] is False and plain["responses"][0]["in_prob_mask"] == [0, 0, 0, 1, 0]
 
 
@@ -139,7 +140,7 @@ def test_chain_segments_from_the_worked_example():
     with provide_spo_rows([row]):
         advantages, _ = compute_spo_chain_advantage(rewards, torch.ones(1, 11), index=np.array(["c"]), config=config)
     response = sampled(0, row, 11, advantages[0], torch.ones(11, dtype=torch.bool), 1.0, log_probs=probs.log())
-    logged = step_record(2, config, "spo_prob_mask", [response], CharTokenizer(), spo_settings(config))["responses"][0]
+    logged = step_record(2, config.adv_estimator, "spo_prob_mask", [response], CharTokenizer(), spo_settings(config))["responses"][0]
     segments = [(s["start"], s["end"], s["advantage"], s["value_before"], s["value_after"], s["cutpoint"])
                 for s in logged["segments"]]
     assert segments == [
@@ -156,7 +157,7 @@ def test_a_truncated_chain_response_ends_at_r_zero():
     row = {"segment_starts": [0], "boundary_values": [0.5], "truncated": True}
     response = sampled(0, row, 3, torch.full((3,), -0.5), torch.ones(3, dtype=torch.bool), 1.0)
     chain = algorithm("spo_chain")
-    logged = step_record(1, chain, "spo_prob_mask", [response], CharTokenizer(), spo_settings(chain))["responses"][0]
+    logged = step_record(1, chain.adv_estimator, "spo_prob_mask", [response], CharTokenizer(), spo_settings(chain))["responses"][0]
     assert [(s["start"], s["value_after"]) for s in logged["segments"]] == [(0, 0.0)]  # no head: the cut is token 0
 
 
@@ -178,10 +179,10 @@ def test_an_unwritable_folder_does_not_stop_training(tmp_path, caplog):
     blocker.write_text("not a folder")
     config = OmegaConf.create({"algorithm": {"adv_estimator": "grpo", "spo": {"diagnostics": {"sample_log": {"dir": str(blocker / "x")}}}}})
     fetch = lambda chosen: [sampled(i, None, 2, torch.zeros(2), torch.ones(2, dtype=torch.bool), 0.0) for i in chosen]  # noqa: E731
-    assert log_step(1, config, CharTokenizer(), ["u"], [2], fetch, spo_settings(config.algorithm)) is None
+    assert log_step(1, config.algorithm.adv_estimator, "vanilla", CharTokenizer(), ["u"], [2], fetch, spo_settings(config.algorithm)) is None
     assert "sample log: could not write step 1" in caplog.text
     config.algorithm.spo.diagnostics.sample_log.dir = None
-    assert log_step(1, config, CharTokenizer(), ["u"], [2], lambda chosen: pytest.fail("fetched while off"),
+    assert log_step(1, config.algorithm.adv_estimator, "vanilla", CharTokenizer(), ["u"], [2], lambda chosen: pytest.fail("fetched while off"),
                     spo_settings(config.algorithm)) is None
 
 
@@ -197,12 +198,12 @@ def test_an_episode_logs_which_tokens_are_the_environments_and_how_it_ended():
     with provide_spo_rows([row]):
         advantages, _ = compute_spo_chain_advantage(rewards, response_mask, index=np.array(["e"]), config=config)
     response = sampled(0, row, 7, advantages[0], response_mask[0].bool(), 1.0, response_mask=response_mask[0], episode=episode)
-    logged = step_record(1, config, "spo_prob_mask", [response], CharTokenizer(), spo_settings(config))["responses"][0]
+    logged = step_record(1, config.adv_estimator, "spo_prob_mask", [response], CharTokenizer(), spo_settings(config))["responses"][0]
     assert logged["environment"] == [0, 0, 0, 1, 1, 0, 0]
     assert logged["episode"] == episode
     assert logged["advantages"] == pytest.approx([0.25] * 3 + [0.0] * 2 + [0.5] * 2)
     assert logged["in_prob_mask"] == [1, 1, 1, 0, 0, 1, 1]  # p = 0.5 < 0.9, and the reply is out of the mask
     assert [(s["start"], s["end"], s["value_before"], s["value_after"]) for s in logged["segments"]] == [(0, 5, 0.25, 0.5), (5, 7, 0.5, 1.0)]
-    plain = step_record(1, config, "spo_prob_mask", [sampled(0, None, 3, torch.zeros(3), torch.ones(3, dtype=torch.bool), 0.0)],
+    plain = step_record(1, config.adv_estimator, "spo_prob_mask", [sampled(0, None, 3, torch.zeros(3), torch.ones(3, dtype=torch.bool), 0.0)],
                         CharTokenizer(), spo_settings(config))["responses"][0]
     assert "environment" not in plain and "episode" not in plain  # single-turn responses carry neither

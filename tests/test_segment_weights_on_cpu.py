@@ -22,7 +22,7 @@ import torch
 from spo_verl.core.algorithms.advantages import (
     leaf_path_counts,
     segment_weights,
-    tree_advantages,
+    tree_node_advantages,
     tree_values,
 )
 from spo_verl.core.algorithms.tree_rows import tree_token_advantages
@@ -57,7 +57,7 @@ def test_batched_weights_are_the_reference_and_each_segment_counts_its_weight(we
     reference = segment_weights(UNEVEN_PARENTS, weighting)
     assert result.node_weights.tolist() == pytest.approx([reference[n] for n in order], rel=1e-15, abs=0)
     leaf_rewards = {3: 1.0, 6: 0.0, 7: 1.0, 5: 1.0, 2: 0.0}
-    advantages = tree_advantages(UNEVEN_PARENTS, tree_values(UNEVEN_PARENTS, leaf_rewards))
+    advantages = tree_node_advantages(UNEVEN_PARENTS, tree_values(UNEVEN_PARENTS, leaf_rewards))
     for node in range(1, 8):
         carried = 0.0
         for row, (path, row_ends) in enumerate(zip(UNEVEN_PATHS, ends)):

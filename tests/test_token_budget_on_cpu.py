@@ -1,7 +1,5 @@
 """Generated-token counting and the equal-cost stop (``algorithm.spo.budget.generated_tokens``)."""
 
-from types import SimpleNamespace
-
 import pytest
 
 from spo_verl.core.config import SPOConfigError, parse_spo_settings
@@ -26,36 +24,28 @@ def test_other_algorithms_count_their_response_tokens():
     assert step_generated_tokens(120.0, {}) == 120.0
 
 
-def _trainer(step, total):
-    return SimpleNamespace(global_steps=step, total_training_steps=total)
-
-
 def test_the_step_expected_to_reach_the_budget_becomes_the_last():
     budget = GeneratedTokenBudget(250)
-    trainer = _trainer(1, 100)
     metrics = {}
-    budget.record(trainer, 100.0, metrics)  # 100 so far; another 100 would make 200 < 250
-    assert trainer.total_training_steps == 100
+    # 100 so far; another 100 would make 200 < 250: the last step stays the 100th.
+    assert budget.record(100.0, training_step=1, last_training_step=100, metrics=metrics) is None
     assert metrics == {GENERATED_TOKENS: 100.0, GENERATED_TOKENS_CUMULATIVE: 100.0}
-    trainer.global_steps = 2
-    budget.record(trainer, 100.0, metrics)  # 200 so far; the next step is expected to reach 300 >= 250
-    assert trainer.total_training_steps == 3
+    # 200 so far; the next step is expected to reach 300 >= 250.
+    assert budget.record(100.0, training_step=2, last_training_step=100, metrics=metrics) == 3
     assert metrics[GENERATED_TOKENS_CUMULATIVE] == 200.0
 
 
 def test_without_a_budget_nothing_changes_but_the_count():
     budget = GeneratedTokenBudget(None)
-    trainer = _trainer(1, 5)
     metrics = {}
-    budget.record(trainer, 1e9, metrics)
-    assert trainer.total_training_steps == 5 and metrics[GENERATED_TOKENS_CUMULATIVE] == 1e9
+    assert budget.record(1e9, training_step=1, last_training_step=5, metrics=metrics) is None
+    assert metrics[GENERATED_TOKENS_CUMULATIVE] == 1e9
 
 
 def test_a_budget_never_extends_training():
     budget = GeneratedTokenBudget(10)
-    trainer = _trainer(3, 3)  # step 3 is already the last
-    budget.record(trainer, 50.0, {})
-    assert trainer.total_training_steps == 3
+    # Step 3 is already the last.
+    assert budget.record(50.0, training_step=3, last_training_step=3, metrics={}) is None
 
 
 @pytest.mark.parametrize("value", [0, -5, 1.5, "many", True])

@@ -16,7 +16,7 @@ from verl.trainer.ppo.ray_trainer import compute_advantage
 from spo_verl.adapters.advantage_channel import advantages_at_actor_update, advantages_deferred
 from spo_verl.core.metadata import EPISODE_FIELD
 from spo_verl.adapters.estimators import SPOMetadataMissingError
-from spo_verl.adapters.trainer.legacy import SPORayPPOTrainer, spo_advantage_step
+from spo_verl.adapters.trainer.legacy import SPORayPPOTrainer
 from spo_verl.adapters.trainer.runners import _SPOLegacyTaskRunner
 
 
@@ -30,14 +30,17 @@ ALGORITHM = algorithm()
 
 def run_spo_step(data, algorithm_config, rollout_n, trainer=None):
     """SPO's step on a legacy batch as ``SPORayPPOTrainer._update_actor`` runs it before verl's update,
-    for a trainer without workers (its sample log and credit settings, tokenizer and step where given)."""
+    for a trainer without workers (its sample log and credit settings, tokenizer and step where given).
+    Returns the step's metrics."""
     if trainer is None:
         trainer = object.__new__(SPORayPPOTrainer)
         trainer.config = OmegaConf.create({})
     trainer.config = OmegaConf.merge({"algorithm": algorithm_config, "actor_rollout_ref": {"rollout": {"n": rollout_n}}},
                                      trainer.config)
     trainer.init_spo_state(trainer.config)  # what the constructor does after verl's
-    return spo_advantage_step(data, trainer)
+    for name, value in {"tokenizer": None, "global_steps": 1, "total_training_steps": 1}.items():
+        trainer.__dict__.setdefault(name, value)  # what verl's constructor and fit set before a step
+    return trainer._spo_step_in_place(data).metrics
 
 
 def legacy_batch(rows, rewards, lengths, width, uids):
@@ -86,16 +89,16 @@ def test_non_spo_estimators_are_verls_unchanged():
     before = {key: data.batch[key].clone() for key in ("response_mask", "advantages")}
     metrics = run_spo_step(data, grpo, rollout_n=4)
     assert all(torch.equal(data.batch[key], value) for key, value in before.items())
-    assert metrics == {"spo/generated_tokens": 12}  # 4 responses of 3 tokens
+    assert metrics == {"spo/generated_tokens": 12, "spo/generated_tokens_cumulative": 12}  # 4 responses of 3 tokens
     # Episodes played by spo_episode arrive as the spo_turns column: their spo/turns/* for GRPO too.
     episode = {"turns": 2, "reply_tokens": 1, "ended_by": "environment", "environment_error": None}
     data.non_tensor_batch["spo_turns"] = np.array([episode, episode, {**episode, "ended_by": "length"}, None], dtype=object)
     assert run_spo_step(data, grpo, rollout_n=4) == {
-        "spo/generated_tokens": 12, "spo/turns/turns_per_episode": 2.0, "spo/turns/reply_tokens_per_episode": 1.0,
+        "spo/generated_tokens": 12, "spo/generated_tokens_cumulative": 12, "spo/turns/turns_per_episode": 2.0, "spo/turns/reply_tokens_per_episode": 1.0,
         "spo/turns/ended_by_environment_fraction": pytest.approx(2 / 3), "spo/turns/environment_errors": 0.0}
 
 
-def test_fit_defers_the_spo_advantage_step_to_the_actor_update(monkeypatch):
+def test_fit_defers_the_spo_step_to_the_actor_update(monkeypatch):
     """verl's advantage step in fit has no SPO rows: inside SPORayPPOTrainer.fit an SPO estimator gives
     zeros there; outside it, the same call fails with the fix."""
     rows = [{"tree_id": "t", "path": [1], "segment_ends": [2], "trains": True},
@@ -135,6 +138,30 @@ def test_missing_column_fails_with_the_fix():
     )
     with pytest.raises(SPOMetadataMissingError, match="default_agent_loop=spo_tree"):
         run_spo_step(data, ALGORITHM, rollout_n=2)
+
+
+def test_the_actor_update_applies_the_spo_steps_result(monkeypatch):
+    """_update_actor: verl's update trains on the narrowed mask; the step's metrics join the update's (the
+    loss's lifted out of actor/), and the step the token budget chose becomes the trainer's last."""
+    seen = {}
+
+    def verl_update(self, batch):
+        seen["response_mask"] = batch.batch["response_mask"].tolist()
+        return DataProto(meta_info={"metrics": {"actor/spo/prob_mask/masked_fraction": 0.5, "actor/pg_loss": 1.0}})
+
+    monkeypatch.setattr(RayPPOTrainer, "_update_actor", verl_update)
+    trainer = object.__new__(SPORayPPOTrainer)
+    trainer.config = OmegaConf.create({"algorithm": algorithm(budget={"generated_tokens": 5}),
+                                       "actor_rollout_ref": {"rollout": {"n": 2}}})
+    trainer.init_spo_state(trainer.config)
+    trainer.tokenizer, trainer.global_steps, trainer.total_training_steps = None, 1, 10
+    rows = [{"tree_id": "t", "path": [leaf], "segment_ends": [2], "trains": True} for leaf in (1, 2)]
+    metrics = trainer._update_actor(legacy_batch(rows, [1.0, 0.0], [2, 2], 3, ["t", "t"])).meta_info["metrics"]
+    assert seen["response_mask"] == [[1, 1, 0], [1, 1, 0]]
+    assert metrics["spo/prob_mask/masked_fraction"] == 0.5 and metrics["actor/pg_loss"] == 1.0
+    assert metrics["spo/generated_tokens"] == metrics["spo/generated_tokens_cumulative"] == 4
+    assert metrics["spo/tree/advantage_abs_mean/depth1"] == pytest.approx(0.5)
+    assert trainer.total_training_steps == 2  # 4 tokens so far and 4 expected next reach the budget of 5
 
 
 def test_legacy_task_runner_builds_the_spo_trainer_and_leaves_verl_unchanged(monkeypatch):
@@ -243,7 +270,7 @@ def test_fit_logs_baseline_samples_without_spo_metrics(tmp_path):
 
     data = after_old_log_probs([None] * 4, [1.0, 0.0, 1.0, 0.0], [3, 3, 2, 3], 3, ["g", "g", "h", "h"])
     out, metrics = actor_update_advantage_step(logging_trainer(tmp_path, "grpo", loss_mode="vanilla"), data, num_repeat=2)
-    assert list(metrics) == ["spo/generated_tokens"]
+    assert list(metrics) == ["spo/generated_tokens", "spo/generated_tokens_cumulative"]
     (record,) = read_records(tmp_path / SAMPLES_FILE)
     assert record["algorithm"] == "grpo" and record["prob_mask_applied"] is False
     assert [r["uid"] for r in record["responses"]] == ["g", "h"]  # one per prompt first
@@ -286,9 +313,10 @@ def test_the_trainer_parses_its_spo_settings_once(monkeypatch):
     trainer = object.__new__(SPORayPPOTrainer)
     trainer.config = OmegaConf.create({"algorithm": ALGORITHM, "actor_rollout_ref": {"rollout": {"n": 4}}})
     trainer.init_spo_state(trainer.config)
+    trainer.tokenizer, trainer.global_steps, trainer.total_training_steps = None, 1, 1  # as verl sets them
     rows = [{"tree_id": "t", "path": [leaf], "segment_ends": [2], "trains": True} for leaf in (1, 2)]
     for _ in range(2):
-        spo_advantage_step(legacy_batch(rows, [1.0, 0.0], [2, 2], 3, ["u", "u"]), trainer)
+        trainer._spo_step_in_place(legacy_batch(rows, [1.0, 0.0], [2, 2], 3, ["u", "u"]))
     assert len(calls) == 1
 
 
@@ -398,8 +426,8 @@ def test_credit_metrics_of_dialogues_place_the_first_wrong_turn_and_leave_out_th
 def test_the_per_turn_blame_leaves_out_episodes_wrong_from_their_first_turn():
     """Two wrong episodes under one advantage an episode (-0.5 on every model token): wrong at turn 1, all
     its blame is on the error; wrong at turn 2, half. spo/credit/* averages both, spo/turns/* the second."""
-    from spo_verl.adapters.trainer.credit_step import step_credit_metrics
-    from spo_verl.adapters.trainer.sample_log import SampledResponse
+    from spo_verl.adapters.trainer.credit_metrics import step_credit_metrics
+    from spo_verl.adapters.trainer.batch_view import SampledResponse
 
     def episode(index, first, second):
         text = first + DIALOGUE_REPLY + second
@@ -473,8 +501,8 @@ def test_the_turns_credit_tool_shows_a_shared_turns_advantage_on_every_leaf_thro
 
 def test_credit_metrics_leave_out_a_trees_stand_in_rows():
     """A stand-in row (a copy of a real leaf in an unused slot, ``trains`` false) is not a second answer."""
-    from spo_verl.adapters.trainer.credit_step import step_credit_metrics
-    from spo_verl.adapters.trainer.sample_log import SampledResponse
+    from spo_verl.adapters.trainer.credit_metrics import step_credit_metrics
+    from spo_verl.adapters.trainer.batch_view import SampledResponse
 
     prompt, wrong = "What is 3 + 4 + 2?", "3 + 4 = 8. 8 + 2 = 10. #### 10"
     ids = [ord(c) for c in wrong]

@@ -79,6 +79,7 @@ def trainer(adv_estimator="spo_tree", **spo):
     instance = SPOTrainer.__new__(SPOTrainer)  # no workers: only the advantage step is exercised
     instance.config = config
     instance.init_spo_state(config)  # what the constructor does before verl's
+    instance.tokenizer, instance.global_steps, instance.total_training_steps = None, 1, 1  # as verl sets them
     return instance
 
 
@@ -133,6 +134,16 @@ def test_non_spo_estimators_take_verls_path_unchanged(transfer_queue):
     # verl's metrics are verl's; only the step's generated tokens are counted (4 responses x 5 tokens).
     assert {k: v for k, v in metrics.items() if k.startswith("spo/")} == {
         "spo/generated_tokens": 20.0, "spo/generated_tokens_cumulative": 20.0}
+
+
+def test_the_token_budget_makes_the_step_expected_to_reach_it_the_last(transfer_queue):
+    outputs = [leaf([1], [5], r) for r in (1.0, 0.0, 1.0, 0.0)]
+    spo_trainer = trainer("grpo", budget={"generated_tokens": 30})
+    spo_trainer.global_steps, spo_trainer.total_training_steps = 1, 10
+    metrics = {}
+    spo_trainer._compute_advantage(store(outputs, lambda s: "budget1"), metrics)
+    assert metrics["spo/generated_tokens_cumulative"] == 20.0
+    assert spo_trainer.total_training_steps == 2  # 20 tokens so far and 20 expected next reach 30
 
 
 def test_loss_metrics_are_lifted_out_of_the_actor_prefix():

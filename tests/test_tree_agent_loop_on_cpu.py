@@ -13,9 +13,9 @@ from verl.trainer.ppo.ray_trainer import compute_advantage
 
 import spo_verl.register  # noqa: F401
 from spo_verl.adapters.agent_loops.tree_agent_loop import SPOTreeAgentLoop
-from spo_verl.adapters.trainer.common import episodes_from_extra_fields
+from spo_verl.adapters.trainer.transfer_queue_batch import episodes_from_extra_fields
 from spo_verl.adapters.trainer.step_metrics import batch_metrics
-from spo_verl.core.algorithms import tree_advantages, tree_values
+from spo_verl.core.algorithms import tree_node_advantages, tree_values
 from spo_verl.adapters.advantage_channel import provide_spo_rows
 from spo_verl.core.rollout.tree import block_aligned_budget, sample_tree
 from spo_workbench.testing.verl_harness import compose_ppo_trainer, make_agent_loop, run_sessions
@@ -246,7 +246,7 @@ async def test_leaves_through_verls_advantage_step(config, llm_client, tiny_mode
         leaf_rewards = {order.index(rows[i]["path"][-1]): 0.0 if rows[i]["truncated"] else float(token_rewards[i].sum())
                         for i in members}
         values = tree_values(parents, leaf_rewards)
-        expected = dict(zip(order, tree_advantages(parents, values)))
+        expected = dict(zip(order, tree_node_advantages(parents, values)))
         trained_once = set()
         for i in members:
             start = 0

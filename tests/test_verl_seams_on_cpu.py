@@ -21,12 +21,8 @@ from spo_verl.adapters.advantage_channel import provide_spo_rows
 from spo_verl.core.rollout.chain import monte_carlo_value
 from spo_verl.core.rollout.server_output import AbortedGeneration, merged_weight_versions
 from spo_verl.core.rollout.tree import sample_tree
-from spo_verl.adapters.trainer.common import (
-    VALIDATION_AGENT_LOOP,
-    PlainValidationBatches,
-    check_no_per_row_rollout_n,
-    plain_validation,
-)
+from spo_verl.adapters.trainer.plain_validation import VALIDATION_AGENT_LOOP, PlainValidationBatches, plain_validation
+from spo_verl.adapters.trainer.v1 import check_no_per_row_rollout_n
 
 
 def test_a_trajectory_spans_the_oldest_and_newest_weights_it_was_generated_with():

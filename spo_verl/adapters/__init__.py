@@ -1,2 +1,2 @@
-"""SPO in verl: the registered estimators and loss, the rewards, agent loops, trainers, the packed FSDP
-engine and the CPU platform. They import verl and the core, never a tool."""
+"""SPO in verl: its registration (``registration``), the registered estimators and loss, the rewards, agent
+loops, trainers, the packed FSDP engine and the CPU platform. They import verl and the core, never a tool."""

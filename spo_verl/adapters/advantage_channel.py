@@ -3,10 +3,11 @@
 verl 0.9.1 calls an advantage estimator with rewards, masks, uids and ``config`` only, and keeps only the
 advantages it returns. A trainer adapter therefore collects the rollout's metadata (``extra_fields["spo"]``
 of each trajectory) in batch order and calls verl's own advantage step inside ``provide_spo_rows(rows,
-settings)``. A registered SPO estimator hands its verl arguments to :func:`serve`, which reads the rows and
-settings from this channel, calls the estimator's maths with them and records what the maths returns
-besides the advantages (the mask of tokens to train, the tree's node values for the sample log, metrics)
-on the channel's :class:`SPOBatchContext`, where the trainer reads it. Nothing else reads the channel.
+settings)``. A registered SPO estimator asks this channel for its call (:func:`estimator_call`: the rows
+it computes and the run's settings, or None while the legacy trainer defers the step), computes with the
+core's maths and records what it found besides the advantages (:func:`record_result`: the mask of tokens
+to train, the tree's node values for the sample log, metrics) on the channel's :class:`SPOBatchContext`,
+where the trainer reads it. The channel calls no estimator code, and nothing else reads it.
 
 A verl whose advantage step hands estimators the batch's per-sample fields and takes extra outputs back
 (proposed upstream: verl-project/verl pull request 7473) would remove this module: the estimators would
@@ -17,11 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from spo_verl.core.config import SPOSettings
@@ -55,20 +55,17 @@ class TreeNodes:
 
 @dataclass(frozen=True)
 class EstimatorCall:
-    """What an SPO estimator's maths computes from: verl's arguments, the batch's SPO rows (None for the
-    rows it skips: verl's padding, rows trained elsewhere) and the run's settings."""
+    """What the channel hands an SPO estimator besides verl's arguments: the batch's SPO rows (None for
+    the rows it skips: verl's padding, rows trained elsewhere) and the run's settings."""
 
     rows: list[SPORow | None]
     settings: SPOSettings
-    token_level_rewards: torch.Tensor  # (bs, response_length)
-    response_mask: torch.Tensor  # (bs, response_length)
-    index: np.ndarray | None  # (bs,) uids
 
 
 @dataclass
 class EstimatorResult:
-    """What an SPO estimator's maths returns: the advantages for verl and what the trainer reads after
-    verl's advantage step. ``trained_mask`` (bs, response_length): the tokens the loss keeps, None for
+    """What an SPO estimator computed: the advantages for verl and what the trainer reads after verl's
+    advantage step. ``trained_mask`` (bs, response_length): the tokens the loss keeps, None for
     every response token."""
 
     advantages: torch.Tensor  # (bs, response_length)
@@ -80,7 +77,7 @@ class EstimatorResult:
 @dataclass
 class SPOBatchContext:
     """One advantage step's channel: the rows and settings the trainer hands in, and the estimator's
-    result once :func:`serve` has recorded it (None before, or for a step verl computed alone)."""
+    result once it has recorded it (:func:`record_result`; None before, or for a step verl computed alone)."""
 
     rows: list[SPORow | None]
     settings: SPOSettings | None = None  # the trainer's algorithm.spo; None: taken from verl's ``config`` argument
@@ -163,19 +160,21 @@ def _estimated_rows(estimator: str, row_type: type, context: SPOBatchContext, ba
     return rows
 
 
-def serve(estimator: str, row_type: type, maths: Callable[[EstimatorCall], EstimatorResult],
-          token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any,
-          config: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """A registered SPO estimator's call from verl: ``maths`` on the channel's rows (``row_type`` each)
-    and settings, its result recorded on the channel, verl's (advantages, returns) returned. Zeros while
-    the legacy trainer defers the step (:func:`advantages_at_actor_update`)."""
+def estimator_call(estimator: str, row_type: type, batch_size: int, index: Any,
+                   config: Any) -> EstimatorCall | None:
+    """A registered SPO estimator's call from verl (``index``, ``config``: verl's arguments): the channel's
+    rows it computes (``row_type`` each) and the settings (the trainer's, else read from ``config``).
+    None while the legacy trainer defers the step (:func:`advantages_at_actor_update`): the estimator
+    then gives verl zeros. Raises where no trainer opened the channel."""
     context = _current.get()
     if context is None:
         if _deferred.get():
-            zeros = torch.zeros_like(token_level_rewards)
-            return zeros, zeros
+            return None
         raise missing_metadata(estimator)
-    rows = _estimated_rows(estimator, row_type, context, response_mask.shape[0], index)
-    settings = context.settings if context.settings is not None else spo_settings(config)
-    context.result = maths(EstimatorCall(rows, settings, token_level_rewards, response_mask, index))
-    return context.result.advantages, context.result.advantages
+    rows = _estimated_rows(estimator, row_type, context, batch_size, index)
+    return EstimatorCall(rows, context.settings if context.settings is not None else spo_settings(config))
+
+
+def record_result(result: EstimatorResult) -> None:
+    """What the estimator computed on the call :func:`estimator_call` gave it, for the trainer to read."""
+    _current.get().result = result

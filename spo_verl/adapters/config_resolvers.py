@@ -1,7 +1,8 @@
 """The OmegaConf resolvers the recipe's configuration interpolates: ``spo_leaf_slots`` (an SPO tree's
 ``rollout.n`` from ``algorithm.spo.tree``) and ``spo_rows_tokens`` (a token budget that follows a
-setting's prompt and response lengths). ``spo_verl.register`` installs them, so they exist wherever the
-configuration is resolved: the launch, every Ray process, and any tool or test that imports the plugin.
+setting's prompt and response lengths). ``spo_verl.adapters.registration`` installs them, so they exist
+wherever the configuration is resolved: the launch, every Ray process, and any tool or test that imports
+the plugin.
 """
 
 from __future__ import annotations

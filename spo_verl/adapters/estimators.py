@@ -1,10 +1,9 @@
 """verl adapters: the ``spo_chain`` and ``spo_tree`` advantage estimators.
 
-Each registered estimator takes verl's estimator arguments and hands them to
-``spo_verl.adapters.advantage_channel.serve``, which reads the batch's SPO rows (the segment/tree
-metadata of each row, as ``spo_verl.core.metadata`` rows) and settings from the channel the SPO trainer
-opened, runs the estimator's maths here on them and records what it returns; the maths is in
-``spo_verl.core.algorithms``.
+Each registered estimator takes verl's estimator arguments, asks the advantage channel
+(``spo_verl.adapters.advantage_channel``) for the batch's SPO rows (the segment/tree metadata of each
+row, as ``spo_verl.core.metadata`` rows) and the run's settings, computes with the maths of
+``spo_verl.core.algorithms`` and records on the channel what the trainer reads besides the advantages.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from spo_verl.core.algorithms.batched import chain_token_advantages_batched
 from spo_verl.core.algorithms.tree_rows import tree_token_advantages
 from spo_verl.core.config import SPOSettings
 from spo_verl.core.metadata import ChainRow, SPOMetadataMissingError, TreeLeafRow
-from spo_verl.adapters.advantage_channel import EstimatorCall, EstimatorResult, TreeNodes, serve
+from spo_verl.adapters.advantage_channel import EstimatorResult, TreeNodes, estimator_call, record_result
 
 __all__ = ["SPOMetadataMissingError", "compute_spo_chain_advantage", "compute_spo_tree_advantage"]
 
@@ -73,13 +72,25 @@ def compute_spo_chain_advantage(
         returns: `(torch.Tensor)`
             shape is (bs, response_length); the same tensor as ``advantages``
     """
-    return serve("spo_chain", ChainRow, chain_advantages, token_level_rewards, response_mask, index, config)
+    call = estimator_call("spo_chain", ChainRow, response_mask.shape[0], index, config)
+    if call is None:
+        return _deferred(token_level_rewards)
+    result = chain_estimate(call.rows, call.settings, token_level_rewards, response_mask)
+    record_result(result)
+    return result.advantages, result.advantages
 
 
-def chain_advantages(call: EstimatorCall) -> EstimatorResult:
-    """SPO-chain's maths on the batch's rows: every response token's segment advantage (rows without
-    metadata get 0)."""
-    rows, settings, token_level_rewards, response_mask = call.rows, call.settings, call.token_level_rewards, call.response_mask
+def _deferred(token_level_rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's (advantages, returns) while the legacy trainer defers the step: zeros, replaced at its
+    actor update."""
+    zeros = torch.zeros_like(token_level_rewards)
+    return zeros, zeros
+
+
+def chain_estimate(rows: Sequence[ChainRow | None], settings: SPOSettings, token_level_rewards: torch.Tensor,
+                   response_mask: torch.Tensor) -> EstimatorResult:
+    """SPO-chain on the batch's rows: every response token's segment advantage (rows without metadata
+    get 0)."""
     batch_size, length = response_mask.shape
     starts_of, values_of = [], []
     for b, row in enumerate(rows):
@@ -215,21 +226,26 @@ def compute_spo_tree_advantage(
         returns: `(torch.Tensor)`
             shape is (bs, response_length); the same tensor as ``advantages``
     """
-    return serve("spo_tree", TreeLeafRow, tree_advantages, token_level_rewards, response_mask, index, config)
+    call = estimator_call("spo_tree", TreeLeafRow, response_mask.shape[0], index, config)
+    if call is None:
+        return _deferred(token_level_rewards)
+    result = tree_estimate(call.rows, call.settings, token_level_rewards, response_mask, index)
+    record_result(result)
+    return result.advantages, result.advantages
 
 
-def tree_advantages(call: EstimatorCall) -> EstimatorResult:
-    """SPO-tree's maths on the batch's leaves: node values and advantages, each segment's advantage on
-    the tokens of the one row that trains it, the mask of those tokens, and the per-depth metrics."""
-    rows, settings, index = call.rows, call.settings, call.index
+def tree_estimate(rows: Sequence[TreeLeafRow | None], settings: SPOSettings, token_level_rewards: torch.Tensor,
+                  response_mask: torch.Tensor, index: np.ndarray | None) -> EstimatorResult:
+    """SPO-tree on the batch's leaves: node values and advantages, each segment's advantage on the tokens
+    of the rows that train it, the mask of those tokens, and the per-depth metrics."""
     tree_ids, paths, ends = _tree_fields(rows, index)
     _check_one_tree_per_uid(index, tree_ids)
     result = tree_token_advantages(
         tree_ids,
         paths,
         ends,
-        rewards=_trajectory_rewards(call.token_level_rewards, rows, settings),
-        response_mask=call.response_mask,
+        rewards=_trajectory_rewards(token_level_rewards, rows, settings),
+        response_mask=response_mask,
         std_normalize=settings.tree.std_normalize,
         drop_zero_advantage=settings.tree.drop_zero_advantage,
         max_trained_segments_per_tree=settings.tree.max_trained_segments_per_prompt,

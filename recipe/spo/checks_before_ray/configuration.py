@@ -30,9 +30,11 @@ from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, POLICY_LOSS_REGI
 from verl.utils.import_utils import FILE_PATH_PREFIX, PKG_PATH_PREFIX, import_external_libs, resolve_config_path
 
 import spo_verl.register  # noqa: F401  (the plugin's names registered before they are looked up)
+from spo_verl.adapters.agent_loops.episode_agent_loop import plays_episodes
 from spo_verl.adapters.agent_loops.tool_environment import VERL_TOOLS
 from spo_verl.adapters.policy_loss import LOSS_NAME
-from spo_verl.adapters.trainer.common import SPO_AGENT_LOOPS, SPO_ESTIMATORS, TRAINER_MODE, plays_episodes
+from spo_verl.adapters.trainer.v1 import TRAINER_MODE
+from spo_verl.core.metadata import SPO_ALGORITHMS
 from spo_verl.adapters.settings import spo_settings
 from spo_verl.core.episodes.environment import environment_factory
 from spo_verl.core.rollout.tree_shape import check_cutpoint_tree_fits, check_tree_fits, tree_segment_budgets
@@ -51,7 +53,7 @@ def validate_spo_run(config: Any) -> None:
     estimator = config.algorithm.adv_estimator
     rollout = config.actor_rollout_ref.rollout
     agent_loop = rollout.agent.default_agent_loop
-    if estimator in SPO_ESTIMATORS:
+    if estimator in SPO_ALGORITHMS:
         if agent_loop != estimator:
             raise ValueError(
                 f"algorithm.adv_estimator={estimator} needs actor_rollout_ref.rollout.agent.default_agent_loop="
@@ -62,7 +64,7 @@ def validate_spo_run(config: Any) -> None:
                 f"algorithm.adv_estimator={estimator} needs trainer.v1.trainer_mode={TRAINER_MODE} (got "
                 f"{config.trainer.v1.trainer_mode}): that trainer hands the segment metadata to the estimator"
             )
-    if agent_loop in SPO_AGENT_LOOPS and not config.trainer.get("use_v1", True):
+    if agent_loop in SPO_ALGORITHMS and not config.trainer.get("use_v1", True):
         # verl's legacy agent-loop manager splits the repeated batch into num_workers equal chunks; a
         # prompt's sessions (one tree, or one shared Monte Carlo cache) must land in one chunk.
         prompts = config.data.get("gen_batch_size", None) or config.data.train_batch_size

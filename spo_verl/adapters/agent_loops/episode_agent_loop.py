@@ -5,7 +5,8 @@ It is how verl's own estimators (GRPO, PPO) train on the same episodes that SPO-
 and how every algorithm validates a multi-turn task (the trainers name it for validation when
 ``chain.partition=turn``). The episode is played as ``spo_verl.core.episodes.episode.play`` plays it:
 the environment's replies rendered by the chat template and kept out of the mask, the episode's reward
-handed to verl as the row's score. :class:`EpisodePlayer` is what both loops share.
+handed to verl as the row's score. :class:`EpisodePlayer` is what both loops share; :func:`plays_episodes`
+says from a run's configuration whether its rollout plays episodes (and so validates with this loop).
 """
 
 from __future__ import annotations
@@ -26,6 +27,15 @@ from spo_verl.core.episodes.episode import Episode, EpisodeRules, play
 
 EPISODE_AGENT_LOOP = "spo_episode"
 logger = logging.getLogger(__name__)
+
+
+def plays_episodes(config: Any) -> bool:
+    """The rollout of verl's ``config`` plays multi-turn episodes: SPO-chain or SPO-tree over turns, or
+    verl's estimators on ``spo_episode``."""
+    loop = config.actor_rollout_ref.rollout.agent.default_agent_loop
+    spo = (config.get("algorithm") or {}).get("spo") or {}
+    return (loop == EPISODE_AGENT_LOOP or (loop == "spo_chain" and (spo.get("chain") or {}).get("partition") == "turn")
+            or (loop == "spo_tree" and (spo.get("tree") or {}).get("branch_at") == "turn"))
 
 
 def chat_reply_tokens(tokenizer, message: str, role: str = "user") -> list[int]:

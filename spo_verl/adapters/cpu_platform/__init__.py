@@ -1,8 +1,8 @@
 """verl on a machine without an accelerator: a ``cpu`` platform for verl's platform registry.
 
 Selected with ``VERL_PLATFORM=spo_cpu`` (the run scripts set it when no GPU is visible). The plugin's
-``spo_verl.register`` imports this package only then, in every process that imports verl, so GPU
-users never load it. On selection it registers :class:`CPUPlatform` and applies the narrow
+registration (``spo_verl.adapters.registration``, in every process that imports verl) activates it only
+then, so GPU users never load its platform or workarounds. On selection it registers :class:`CPUPlatform` and applies the narrow
 workarounds of :mod:`spo_verl.adapters.cpu_platform.workarounds` (each names the verl code it works around).
 """
 

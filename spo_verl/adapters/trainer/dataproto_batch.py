@@ -5,8 +5,7 @@ episodes in its ``non_tensor_batch`` columns."""
 from __future__ import annotations
 
 from spo_verl.core.metadata import EPISODE_FIELD, SPO_FIELD, episode_from_extra_field
-from spo_verl.adapters.trainer.sample_log import SampledResponse
-from spo_verl.adapters.trainer.step import BatchView
+from spo_verl.adapters.trainer.batch_view import BatchView, SampledResponse
 
 
 def view_of(data) -> BatchView:

@@ -1,7 +1,9 @@
 """verl TaskRunners that train with SPO; ``run_ppo(config, task_runner_class=...)`` starts them.
 
-Both subclass verl's own runners. The v1 runner only makes sure the ``spo`` trainer mode is registered
-in the TaskRunner process (verl looks the mode up there). verl's legacy ``TaskRunner.run`` builds
+Importing this module installs SPO's names in verl (``spo_verl.adapters.registration``) in the process
+that imports it, the one Ray starts for a runner included. Both runners subclass verl's own. The v1
+runner only makes sure the ``spo`` trainer mode is registered in the TaskRunner process (verl looks the
+mode up there). verl's legacy ``TaskRunner.run`` builds
 ``RayPPOTrainer`` by name, with no way to pass another class; the legacy runner's ``run`` takes the
 same steps with verl's own functions (worker roles, config validation, tokenizer, resource pools,
 datasets, sampler) and builds ``SPORayPPOTrainer`` instead, and with packed training its
@@ -17,11 +19,16 @@ from omegaconf import OmegaConf
 from verl.trainer import main_ppo_v0
 from verl.trainer.main_ppo import TaskRunnerV1
 
-import spo_verl.register  # noqa: F401  (estimators, loss and agent loop in this process)
-from spo_verl.adapters.trainer import v1  # noqa: F401  (registers the 'spo' trainer mode)
-from spo_verl.adapters.trainer.legacy import SPORayPPOTrainer
-from spo_verl.adapters.settings import spo_settings
-from spo_verl.adapters.trainer.packed_worker import SPOActorRolloutRefWorker, use_packed_worker
+from spo_verl.adapters import registration
+
+# SPO's estimators, loss and agent loops in this process (the one Ray starts for a runner too, where
+# verl's plugins may be turned off), before the trainers below import their verl modules.
+registration.install()
+
+from spo_verl.adapters.trainer import v1  # noqa: E402, F401  (registers the 'spo' trainer mode)
+from spo_verl.adapters.trainer.legacy import SPORayPPOTrainer  # noqa: E402
+from spo_verl.adapters.settings import spo_settings  # noqa: E402
+from spo_verl.adapters.trainer.packed_worker import SPOActorRolloutRefWorker, use_packed_worker  # noqa: E402
 
 
 class _SPOTaskRunnerV1(TaskRunnerV1.__ray_actor_class__):

@@ -1,10 +1,10 @@
 """The sample log: a few trained responses per step, the way a person wants to see them.
 
-With ``algorithm.spo.diagnostics.sample_log.dir`` set, both trainer adapters (``spo_verl.adapters.trainer.v1`` and
-``spo_verl.adapters.trainer.legacy``) call this module after verl's advantage step, on the driver, for every
-algorithm (the ``grpo`` baselines too: plain responses, one segment each), and append one JSON line
-per training step to ``<dir>/samples.jsonl``. The cost is a handful of rows per step: which rows is
-decided from the uids and lengths alone, and only those rows are fetched and decoded.
+With ``algorithm.spo.diagnostics.sample_log.dir`` set, SPO's step (``spo_verl.adapters.trainer.step``, on
+both trainers) calls this module after verl's advantage step, on the driver, for every algorithm (the
+``grpo`` baselines too: plain responses, one segment each), and appends one JSON line per training step
+to ``<dir>/samples.jsonl``. The cost is a handful of rows per step: which rows is decided from the uids
+and lengths alone, and only those rows are fetched and decoded.
 ``python -m spo_workbench.report`` draws the segments and the tree from it.
 
 One line (``step_record``)::
@@ -47,7 +47,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -58,47 +58,13 @@ from spo_verl.core.algorithms.tree_rows import build_forest
 from spo_verl.core.config import SPOSettings
 from spo_verl.adapters.advantage_channel import TreeNodes, is_padding_uid
 from spo_verl.adapters.estimators import scores_zero
-from spo_verl.core.metadata import ChainRow, EpisodeStatistics, SPORow, TreeLeafRow, episode_from_extra_field, from_extra_field
+from spo_verl.adapters.trainer.batch_view import SampledResponse
+from spo_verl.core.metadata import ChainRow, SPORow, TreeLeafRow, from_extra_field
 
 logger = logging.getLogger(__name__)
 
 SAMPLES_FILE = "samples.jsonl"
 DIGITS = 6
-
-
-@dataclass
-class SampledResponse:
-    """One chosen row of the batch, as plain per-token sequences (the trainer adapters fetch them)."""
-
-    batch_index: int  # row index in the step's batch (what SPOBatchContext is indexed by)
-    uid: str
-    row: SPORow | None  # the row's SPO metadata (a dict as the agent loop wrote it is read), None for plain rows
-    prompt_ids: list[int]
-    response_ids: list[int]
-    log_probs: torch.Tensor  # (L,) p_old as log-probabilities (old_log_probs)
-    response_mask: torch.Tensor  # (L,) before SPO narrows it to the trained segments
-    advantages: torch.Tensor  # (L,)
-    trained: torch.Tensor  # (L,) bool: in the loss
-    score: float
-    episode: EpisodeStatistics | None = None  # a multi-turn episode's (as the agent loop wrote it, or read)
-
-    def __post_init__(self):
-        self.row = from_extra_field(self.row)
-        self.episode = episode_from_extra_field(self.episode)
-
-    @classmethod
-    def of_row(cls, context, index: int, uid: str, prompt_ids: list[int], response_ids: list[int],
-               log_probs: torch.Tensor, response_mask: torch.Tensor, advantages: torch.Tensor,
-               score: float, episode: Any = None) -> SampledResponse:
-        """Row ``index`` of a step's batch as either trainer reads it; ``context``: the step's
-        SPOBatchContext (None for a baseline), whose rows and trained mask it takes; ``episode``: the
-        row's ``extra_fields[EPISODE_FIELD]``."""
-        trained = response_mask.bool()
-        if context is not None and context.trained_mask is not None:
-            trained = trained & context.trained_mask[index, :response_mask.numel()].bool()
-        return cls(batch_index=index, uid=uid, row=context.rows[index] if context is not None else None,
-                   prompt_ids=prompt_ids, response_ids=response_ids, log_probs=log_probs, response_mask=response_mask,
-                   advantages=advantages, trained=trained, score=score, episode=episode)
 
 
 def _usable(index: int, uids, lengths, rows, padding) -> bool:
@@ -273,7 +239,7 @@ def tree_record(responses: Sequence[SampledResponse], records: Sequence[dict], t
 
 def step_record(
     step: int,
-    algorithm_config: Any,
+    estimator: str,
     loss_mode: str,
     responses: Sequence[SampledResponse],
     tokenizer: Any,
@@ -281,8 +247,8 @@ def step_record(
     tree_nodes: TreeNodes | None = None,
 ) -> dict:
     """One line of ``samples.jsonl`` for the chosen responses of a step (see the module docstring);
+    ``estimator``: ``algorithm.adv_estimator``; ``loss_mode``: the actor's ``policy_loss.loss_mode``;
     ``settings``: the trainer's ``algorithm.spo``."""
-    estimator = algorithm_config.get("adv_estimator")
     threshold = settings.prob_mask.threshold
     record: dict[str, Any] = {
         "step": int(step), "algorithm": estimator, "loss_mode": loss_mode, "prob_mask_threshold": threshold,
@@ -322,7 +288,8 @@ def read_records(path: str | Path) -> list[dict]:
 
 def log_step(
     step: int,
-    config: Any,
+    estimator: str,
+    loss_mode: str,
     tokenizer: Any,
     uids: Sequence[Any],
     lengths: Sequence[int],
@@ -333,18 +300,16 @@ def log_step(
     padding: Sequence[bool] | None = None,
 ) -> Path | None:
     """Choose the rows of a step, fetch them (``fetch(batch indices)``), write one line. Returns the
-    file written, or None when the sample log is off or no row qualifies. ``spo_settings``: the
-    trainer's ``algorithm.spo``."""
+    file written, or None when the sample log is off or no row qualifies. ``estimator``, ``loss_mode``:
+    as :func:`step_record` takes them; ``spo_settings``: the trainer's ``algorithm.spo``."""
     settings = spo_settings.diagnostics.sample_log
     if settings.dir is None:
         return None
-    estimator = config.algorithm.get("adv_estimator")
     chosen = choose_rows(estimator, uids, lengths, settings.responses_per_step, rows=rows, tree_nodes=tree_nodes,
                          padding=padding)
     if not chosen:
         return None
-    loss_mode = config.get("actor_rollout_ref", {}).get("actor", {}).get("policy_loss", {}).get("loss_mode", "vanilla")
-    record = step_record(step, config.algorithm, loss_mode, fetch(chosen), tokenizer, spo_settings,
+    record = step_record(step, estimator, loss_mode, fetch(chosen), tokenizer, spo_settings,
                          tree_nodes=tree_nodes)
     try:
         return append_record(settings.dir, record)

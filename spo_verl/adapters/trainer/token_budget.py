@@ -11,7 +11,6 @@ this process started training; a resumed run counts from its resume).
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping
-from typing import Any
 
 GENERATED_TOKENS = "spo/generated_tokens"
 GENERATED_TOKENS_CUMULATIVE = "spo/generated_tokens_cumulative"
@@ -31,18 +30,24 @@ class GeneratedTokenBudget:
     verl's trainers decide whether a step is the last (final validation and checkpoint) before the
     step runs, from ``trainer.total_training_steps``. So after step k, if the count so far plus step
     k's own count reaches the budget, step k+1 is made the last: the run ends within about one step's
-    tokens of the budget. A first step that alone exceeds the budget still gets one more step."""
+    tokens of the budget. A first step that alone exceeds the budget still gets one more step. The
+    budget only says which step that is; the trainer sets its ``total_training_steps`` to it."""
 
     def __init__(self, budget: int | None):
         self.budget = budget
         self.total = 0.0
 
-    def record(self, trainer: Any, step_tokens: float, metrics: MutableMapping[str, float]) -> None:
+    def record(self, step_tokens: float, training_step: int, last_training_step: int,
+               metrics: MutableMapping[str, float]) -> int | None:
+        """Count the tokens of step ``training_step`` (``spo/generated_tokens`` and the cumulative count
+        into ``metrics``). Returns the step that is now to be the last, or None to keep
+        ``last_training_step`` (no budget, or not expected to be reached before it)."""
         self.total += step_tokens
         metrics[GENERATED_TOKENS] = float(step_tokens)
         metrics[GENERATED_TOKENS_CUMULATIVE] = self.total
         if self.budget is None:
-            return
-        next_step = trainer.global_steps + 1
-        if self.total + step_tokens >= self.budget and trainer.total_training_steps > next_step:
-            trainer.total_training_steps = next_step
+            return None
+        next_step = training_step + 1
+        if self.total + step_tokens >= self.budget and last_training_step > next_step:
+            return next_step
+        return None

@@ -1,12 +1,17 @@
 """The default trainer's batch as SPO's step reads and writes it: rows in TransferQueue, named by a
 ``KVBatchMeta`` (keys, tags) that the trainer hands from step to step.
 
-:func:`view_of` describes a step's batch as a :class:`BatchView`; :func:`write_trained_mask` narrows the
-loss to the trained segments (``response_mask`` and ``loss_mask``); :func:`rows_of` and :func:`with_padding_of` take the rows that train into the actor update
-and hand back the padding rows verl added for it, so that the trainer clears them with the step's.
+:func:`view_of` describes a step's batch as a :class:`BatchView`, each row's SPO metadata and episode
+read from the rollout's ``extra_fields`` (:func:`extra_field_values`, :func:`episodes_from_extra_fields`);
+:func:`write_trained_mask` narrows the loss to the trained segments (``response_mask`` and
+``loss_mask``); :func:`rows_of` and :func:`with_padding_of` take the rows that train into the actor
+update and hand back the padding rows verl added for it, so that the trainer clears them with the step's.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import transfer_queue as tq
@@ -14,15 +19,27 @@ from tensordict import TensorDict
 from transfer_queue import KVBatchMeta
 from verl.workers.utils.padding import response_to_nested
 
-from spo_verl.core.metadata import EPISODE_FIELD, SPO_FIELD
-from spo_verl.adapters.trainer.common import episodes_from_extra_fields, extra_field_values
-from spo_verl.adapters.trainer.sample_log import SampledResponse
-from spo_verl.adapters.trainer.step import BatchView
+from spo_verl.core.metadata import EPISODE_FIELD, SPO_FIELD, EpisodeStatistics, episode_from_extra_field
+from spo_verl.adapters.trainer.batch_view import BatchView, SampledResponse
 
 #: Per-response-token fields written after the rollout (the advantage step, old and reference
 #: log-probs, values, rollout-correction weights). verl's padding rows copy every field of a real row
 #: and reset only the rollout's own to one token; padded this late, the rest keep that row's length.
 LATE_TOKEN_FIELDS = ("old_log_probs", "advantages", "returns", "ref_log_prob", "values", "rollout_is_weights")
+
+
+def extra_field_values(extra_fields: Sequence[Any], field: str) -> list[Mapping | None]:
+    """Each row's ``extra_fields[field]`` (None where it has none)."""
+    rows = []
+    for value in extra_fields:
+        value = getattr(value, "data", value)  # TransferQueue hands back NonTensorData
+        rows.append(value.get(field) if isinstance(value, Mapping) else None)
+    return rows
+
+
+def episodes_from_extra_fields(extra_fields: Sequence[Any]) -> list[EpisodeStatistics | None]:
+    """Each row's multi-turn episode (None for a row that is none, or a copy that trains nothing)."""
+    return [episode_from_extra_field(value) for value in extra_field_values(extra_fields, EPISODE_FIELD)]
 
 
 def stored_uids(stored) -> list[str]:

@@ -4,12 +4,12 @@ advantages, and the probability-masked loss. Plain-Python references plus batche
 from spo_verl.core.algorithms.advantages import (
     chain_segment_advantages,
     chain_token_advantages,
-    tree_advantages,
+    tree_node_advantages,
     tree_values,
 )
 from spo_verl.core.algorithms.batched import (
     chain_token_advantages_batched,
-    tree_advantages_batched,
+    tree_node_advantages_batched,
     tree_values_batched,
 )
 from spo_verl.core.algorithms.masked_loss import (
@@ -40,8 +40,8 @@ __all__ = [
     "probability_mask",
     "reference_kl_term",
     "reference_policy_loss",
-    "tree_advantages",
-    "tree_advantages_batched",
+    "tree_node_advantages",
+    "tree_node_advantages_batched",
     "tree_values",
     "tree_values_batched",
     "whiten_over_mask",

@@ -94,7 +94,7 @@ def tree_values(parents: Sequence[int], leaf_rewards: Mapping[int, float]) -> li
     return values
 
 
-def tree_advantages(parents: Sequence[int], values: Sequence[float], std_normalize: bool = False) -> list[float]:
+def tree_node_advantages(parents: Sequence[int], values: Sequence[float], std_normalize: bool = False) -> list[float]:
     """``A(n) = V(n) - V(parent(n))``, 0 for the root; with ``std_normalize`` divided by the
     population std of n's siblings' values (n included) plus 1e-8."""
     check_parents(parents)

@@ -80,7 +80,8 @@ def tree_values_batched(parents: torch.Tensor, leaf_rewards: torch.Tensor) -> to
     return values
 
 
-def tree_advantages_batched(parents: torch.Tensor, values: torch.Tensor, std_normalize: bool = False) -> torch.Tensor:
+def tree_node_advantages_batched(parents: torch.Tensor, values: torch.Tensor,
+                                 std_normalize: bool = False) -> torch.Tensor:
     """``V(n) - V(parent)`` for every node of a forest, 0 for roots; optionally divided by the population
     std of the siblings' values plus 1e-8."""
     has_parent = parents >= 0

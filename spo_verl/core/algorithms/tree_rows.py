@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from spo_verl.core.algorithms.advantages import check_segment_weight
-from spo_verl.core.algorithms.batched import node_depths_batched, tree_advantages_batched, tree_values_batched
+from spo_verl.core.algorithms.batched import node_depths_batched, tree_node_advantages_batched, tree_values_batched
 
 # Tokens per chunk when the (B, T) outputs are written: the chunk's temporaries stay in cache (and
 # below the allocator's mmap threshold) instead of costing a fresh (B, T) index tensor per call.
@@ -366,7 +366,7 @@ def tree_token_advantages(
     parents = torch.from_numpy(tables.parents).to(device)
     node_table = torch.from_numpy(tables.nodes).to(device)
     values = tree_values_batched(parents, _leaf_rewards(tables, rewards))
-    node_advantages = tree_advantages_batched(parents, values, std_normalize=std_normalize)
+    node_advantages = tree_node_advantages_batched(parents, values, std_normalize=std_normalize)
 
     trainable = parents >= 0  # roots carry no segment
     if drop_zero_advantage:

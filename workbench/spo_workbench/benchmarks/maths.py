@@ -175,7 +175,8 @@ def _forest(trees: int, branching=(6, 6, 6), seed: int = 0):
 
 
 def reference_tree_calls(trees: int):
-    from spo_verl.core.algorithms import tree_advantages, tree_advantages_batched, tree_values, tree_values_batched
+    from spo_verl.core.algorithms import (tree_node_advantages, tree_node_advantages_batched, tree_values,
+                                          tree_values_batched)
 
     parents, rewards = _forest(trees)
     size = len(parents) // trees
@@ -183,14 +184,14 @@ def reference_tree_calls(trees: int):
     one_rewards = {n: r for n, r in rewards.items() if n < size}
 
     def reference():
-        return [tree_advantages(one_tree, tree_values(one_tree, one_rewards)) for _ in range(trees)]
+        return [tree_node_advantages(one_tree, tree_values(one_tree, one_rewards)) for _ in range(trees)]
 
     parent_tensor = torch.tensor(parents)
     leaf_rewards = torch.zeros(len(parents), dtype=torch.float64)
     leaf_rewards[list(rewards)] = torch.tensor(list(rewards.values()), dtype=torch.float64)
 
     def batched():
-        return tree_advantages_batched(parent_tensor, tree_values_batched(parent_tensor, leaf_rewards))
+        return tree_node_advantages_batched(parent_tensor, tree_values_batched(parent_tensor, leaf_rewards))
 
     return reference, batched, len(parents)
 

@@ -32,9 +32,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from spo_workbench.student_t import PairedInterval, paired_interval
 from recipe.spo.metrics_log import read_logged_steps
 from spo_workbench.standard_error import mean_and_se
+from spo_workbench.study.paired import Paired, paired
 
 CUMULATIVE = "spo/generated_tokens_cumulative"
 
@@ -67,24 +67,6 @@ def at_budget(points: list[tuple[float, float]], budget: float) -> float | None:
     if points and points[-1][0] == budget:
         return points[-1][1]
     return None
-
-
-@dataclass(frozen=True, kw_only=True)
-class Paired(PairedInterval):
-    """One declared comparison: ``algorithm`` minus ``reference`` over the seeds both finished."""
-    algorithm: str
-    reference: str
-    seeds: tuple[int, ...]
-    differences: tuple[float, ...]
-
-
-def paired(at: dict[tuple[str, int], float | None], algorithm: str, reference: str, level: float = 0.975) -> Paired:
-    """``at``: (algorithm, seed) -> accuracy at the budget. The difference over the seeds both have."""
-    seeds = tuple(sorted(seed for (name, seed), value in at.items()
-                         if name == algorithm and value is not None and at.get((reference, seed)) is not None))
-    differences = tuple(at[(algorithm, s)] - at[(reference, s)] for s in seeds)
-    interval = paired_interval(differences, level, unit="seeds")
-    return Paired(**vars(interval), algorithm=algorithm, reference=reference, seeds=seeds, differences=differences)
 
 
 def _finished_runs(output_dir: Path):

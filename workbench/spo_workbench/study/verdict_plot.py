@@ -11,7 +11,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from spo_workbench.study.verdict import Paired  # noqa: E402
+from spo_workbench.study.paired import Paired  # noqa: E402
 
 
 def plot_paired(results: Sequence[Paired], budget: float, path: Path) -> Path:

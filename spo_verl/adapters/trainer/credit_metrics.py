@@ -15,7 +15,7 @@ from spo_verl.core.credit.answer_errors import first_error_token, question_of
 from spo_verl.core.credit.blame import Response
 from spo_verl.core.credit.dialogue_errors import first_wrong_turn_token
 from spo_verl.core.credit.online import PREFIX, credit_metrics
-from spo_verl.adapters.trainer.sample_log import SampledResponse
+from spo_verl.adapters.trainer.batch_view import SampledResponse
 
 
 def _first_error(tokenizer, response: SampledResponse) -> tuple[int | None, int | None]:
