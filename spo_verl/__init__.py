@@ -1,5 +1,5 @@
-"""Segment Policy Optimization (SPO) for verl, in three layers (docs/LAYOUT.md): ``core`` (SPO itself, no
-verl), ``adapters`` (SPO in verl) and ``tools`` (what a launch needs: CPU settings, data, rehearsal, checks);
-``register`` is verl's plugin entry point."""
+"""Segment Policy Optimization (SPO) for verl, in two layers (docs/LAYOUT.md): ``core`` (SPO itself, no
+verl) and ``adapters`` (SPO in verl); ``register`` is verl's plugin entry point. What a launch needs beside
+the plugin (CPU settings, data preparation, the checks before Ray) lives with the recipe, not here."""
 
 __version__ = "0.1.0"
