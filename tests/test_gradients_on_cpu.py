@@ -256,6 +256,25 @@ def test_the_bias_cosine_sees_through_the_noise_and_counts_responses():
     assert unbiased["effective_responses"] == pytest.approx(32, rel=0.25)
 
 
+def test_the_averaging_curve_is_each_m_draws_tokens_and_their_means_cosine_over_prompts():
+    """averaging_curves: m draws' tokens (m times the mean tokens a draw) against the mean over prompts of
+    the cosine of the mean of each prompt's first m draws, over the prompts where it is defined: prompt b
+    has two draws only, and prompt c's first draw was a zero update (its mean has no direction)."""
+    from spo_workbench.credit.gradients import averaging_curves
+
+    def row(uid, estimator, tokens, curve):
+        return {"policy": "base", "parameters": "last_blocks", "estimator": estimator, "prompt_uid": uid,
+                "tokens": tokens, "cosine_of_mean_by_draws": curve}
+
+    curves = averaging_curves([row("a", "spo_tree_6_6_6_paths", 5000, "0.5 0.7 0.9"),
+                               row("b", "spo_tree_6_6_6_paths", 6000, "0.3 0.5"),
+                               row("c", "spo_tree_6_6_6_paths", 7000, "nan 0.6 0.7"),
+                               row("a", "grpo", 6000, "0.8 0.9")])
+    assert curves[("base", "last_blocks", "spo_tree_6_6_6_paths")] == [
+        (6000, pytest.approx(0.4), 2), (12000, pytest.approx(0.6), 3), (18000, pytest.approx(0.8), 2)]
+    assert curves[("base", "last_blocks", "grpo")] == [(6000, 0.8, 1), (12000, 0.9, 1)]
+
+
 def test_the_recorded_machine_time_counts_a_shared_rollout_once(tmp_path):
     """A reference (10 s sampling, 20 s gradients), one rollout shared by two estimators (5 s, its time on
     both rows; gradients 1 s and 2 s), and another estimator's own rollout (7 s, gradient 3 s)."""
@@ -501,6 +520,7 @@ async def test_the_quick_measurement_writes_every_draw_and_resumes(llm_client, c
     assert calls == []
     summary = gradients.summarise(output / "draws.csv", output)  # what --from-draws writes
     assert (output / "cosine_vs_tokens.png").read_bytes()[:4] == b"\x89PNG"
+    assert (output / "cosine_of_mean_vs_tokens.png").read_bytes()[:4] == b"\x89PNG"  # each draw keeps its products
     assert len((output / "table.md").read_text().splitlines()) == 2 + len(summary)
     with open(output / "cost.csv", newline="") as handle:
         recorded = {r["prompt_set"]: float(r["machine_hours"]) for r in csv.DictReader(handle)}

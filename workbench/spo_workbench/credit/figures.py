@@ -1,7 +1,7 @@
 """What a person would rather look at than read: the value check's calibration plot, V along one wrong
-response, the gradient measurement's cosine against generated tokens, and an HTML page with one wrong
-response per task and setup, its tokens coloured by each estimator's advantage side by side, the first
-wrong token marked."""
+response, the gradient measurement's cosine against generated tokens (one draw, and the mean of several),
+and an HTML page with one wrong response per task and setup, its tokens coloured by each estimator's
+advantage side by side, the first wrong token marked."""
 
 from __future__ import annotations
 
@@ -78,6 +78,32 @@ def gradient_plot(prompt_draws: dict[tuple, dict[str, list]], path: Path) -> Pat
         panel.set_xlabel("generated tokens a draw (log)")
         panel.set_ylabel("cosine with the true gradient (corrected)")
         panel.set_title(f"{policy} policy: small points one prompt each, large the mean over prompts", fontsize=9)
+        panel.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def averaging_plot(curves: dict[tuple[str, str, str], list[tuple[float, float, int]]], path: Path) -> Path:
+    """The corrected cosine of the mean of m draws against their generated tokens, one panel a policy and
+    parameter set, one line an estimator (``gradients.averaging_curves``): where a line levels off below 1
+    more tokens stop helping, the estimator's bias; how fast it climbs, its noise."""
+    plt = _pyplot()
+    panels_keys = sorted({key[:2] for key in curves})
+    figure, panels = plt.subplots(1, max(1, len(panels_keys)), figsize=(6 * max(1, len(panels_keys)), 4.2), squeeze=False)
+    colours = {}
+    for panel, (policy, parameters) in zip(panels[0], panels_keys):
+        for (p, q, estimator), curve in curves.items():
+            if (p, q) != (policy, parameters) or not curve:
+                continue
+            colour = colours.setdefault(estimator, f"C{len(colours) % 10}")
+            panel.plot([t for t, _, _ in curve], [c for _, c, _ in curve], "o-", color=colour, label=estimator)
+        panel.axhline(1.0, color="black", linewidth=0.6)
+        panel.set_xscale("log")
+        panel.set_xlabel("generated tokens of the draws averaged (log)")
+        panel.set_ylabel("corrected cosine of the draws' mean")
+        panel.set_title(f"{policy} policy, {parameters}: 1, 2, ... draws averaged, mean over prompts", fontsize=9)
         panel.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=110)

@@ -24,7 +24,8 @@ under another segment weighting (``algorithm.spo.tree.segment_weight``) against 
 rollouts. ``bias.csv``: bias and noise apart, per prompt (the cosine of each estimator's expected update
 with the true gradient, the corrected cosine of the mean of its draws as more are averaged, the noise's
 share and the independent responses a draw is worth), from the gradient products each draw row keeps;
-``bias_summary.csv`` their means and paired differences. ``cost.csv``: the machine hours recorded. ``cosine_vs_tokens.png``: each estimator's corrected cosine against generated tokens,
+``bias_summary.csv`` their means and paired differences, ``cosine_of_mean_vs_tokens.png`` the cosine of
+the mean of m draws against their generated tokens. ``cost.csv``: the machine hours recorded. ``cosine_vs_tokens.png``: each estimator's corrected cosine against generated tokens,
 each prompt's mean and the mean over prompts. ``--from-draws`` writes these from a kept
 ``draws.csv`` without measuring anything.
 
@@ -575,6 +576,28 @@ def bias_summary_rows(bias: list[dict], reference: str = "grpo") -> list[dict]:
     return out
 
 
+def averaging_curves(bias: list[dict]) -> dict[tuple[str, str, str], list[tuple[float, float, int]]]:
+    """Per (policy, parameters, estimator): for m = 1, 2, ... the generated tokens of m draws (m times the
+    mean tokens a draw) and the mean over prompts of the corrected cosine of the mean of a prompt's first
+    m draws (``cosine_of_mean_by_draws``), over the prompts where it is defined (m draws kept, their mean
+    not zero), and their number. An unbiased estimator's curve climbs towards 1 as draws are averaged; a
+    biased one's levels off below."""
+    by_key: dict[tuple[str, str, str], list[dict]] = {}
+    for row in bias:
+        by_key.setdefault((row["policy"], row["parameters"], row["estimator"]), []).append(row)
+    curves = {}
+    for key, rows in sorted(by_key.items()):
+        per_prompt = [[float(c) for c in row["cosine_of_mean_by_draws"].split()] for row in rows]
+        tokens = statistics.fmean(float(row["tokens"]) for row in rows)
+        curve = []
+        for m in range(1, max(len(c) for c in per_prompt) + 1):
+            values = [c[m - 1] for c in per_prompt if len(c) >= m and not math.isnan(c[m - 1])]
+            if values:
+                curve.append((m * tokens, statistics.fmean(values), len(values)))
+        curves[key] = curve
+    return curves
+
+
 def _finite_mean(values) -> float:
     finite = [v for v in values if not math.isnan(v)]
     return statistics.fmean(finite) if finite else math.nan
@@ -840,7 +863,7 @@ def main(argv=None) -> int:
 def summarise(draws_csv: Path, output_dir: Path) -> list[dict]:
     """summary.csv (and as Markdown, table.md), matching.csv, pooled.csv, cost.csv and the plot of corrected cosine
     against tokens, from ``draws_csv`` alone."""
-    from spo_workbench.credit.figures import gradient_plot
+    from spo_workbench.credit.figures import averaging_plot, gradient_plot
 
     summary = write_summary(draws_csv, output_dir / "summary.csv")
     (output_dir / "table.md").write_text(render_summary(summary))
@@ -863,13 +886,15 @@ def summarise(draws_csv: Path, output_dir: Path) -> list[dict]:
     _write_table(output_dir / "cost.csv", ["policy", "prompt_set", "reference_seconds", "draw_sample_seconds",
                                            "draw_gradient_seconds", "machine_hours"], cost_rows(draws_csv))
     gradient_plot(prompt_draws(draws_csv), output_dir / "cosine_vs_tokens.png")
+    if bias:
+        averaging_plot(averaging_curves(bias), output_dir / "cosine_of_mean_vs_tokens.png")
     for row in summary:
         if row["prompt_set"] == "all":
             extra = f"  minus grpo {row['minus_grpo']:+.3f} [{row['low']:+.3f}, {row['high']:+.3f}]" if row.get("low") is not None else ""
             print(f"gradients: {row['policy']} {row['estimator']:<24} {row['budget']:>6} tokens {row['tokens']:>7.0f} "
                   f"corrected cosine {row['corrected_cosine']:.3f}{extra}")
     print(f"gradients: summary.csv, table.md, matching.csv, pooled.csv, weights.csv, bias.csv, bias_summary.csv, cost.csv, "
-          f"cosine_vs_tokens.png in {output_dir}")
+          f"cosine_vs_tokens.png{', cosine_of_mean_vs_tokens.png' if bias else ''} in {output_dir}")
     return summary
 
 
