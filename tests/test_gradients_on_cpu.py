@@ -256,6 +256,36 @@ def test_the_bias_cosine_sees_through_the_noise_and_counts_responses():
     assert unbiased["effective_responses"] == pytest.approx(32, rel=0.25)
 
 
+def test_the_bias_summary_pairs_prompts_where_both_bias_cosines_are_estimable():
+    """bias_summary_rows over three prompts: the tree's bias cosine is not estimable on prompt c (nan), so
+    its mean and median are over a and b, and its differences from GRPO and from its `paths` variant are
+    paired over a and b; GRPO has no difference from itself, nor a tree of its own."""
+    from spo_workbench.credit.gradients import bias_summary_rows
+
+    def row(uid, estimator, bias, noise=0.5, responses=10.0):
+        return {"policy": "base", "parameters": "last_blocks", "estimator": estimator, "budget": 6000,
+                "prompt_set": "steps3", "prompt_uid": uid, "bias_cosine": bias, "mean_cosine": 0.5,
+                "noise_share": noise, "effective_responses": responses}
+
+    bias = [row(uid, estimator, value) for estimator, values in (
+        ("grpo", (1.0, 0.9, 1.1)), ("spo_tree_6_6_6", (0.6, 0.5, math.nan)),
+        ("spo_tree_6_6_6_paths", (0.9, 1.1, 4.0))) for uid, value in zip("abc", values)]
+    rows = {r["estimator"]: r for r in bias_summary_rows(bias)}
+    grpo, tree, paths = rows["grpo"], rows["spo_tree_6_6_6"], rows["spo_tree_6_6_6_paths"]
+    assert "bias_minus_grpo" not in grpo and "bias_minus_tree" not in grpo and "bias_minus_tree" not in tree
+    assert (tree["prompts"], tree["prompts_with_bias"]) == (3, 2)
+    assert (tree["bias_cosine"], tree["bias_cosine_median"]) == (pytest.approx(0.55), pytest.approx(0.55))
+    # paths: mean 2.0 of 0.9, 1.1 and 4.0, pulled up by prompt c; the median 1.1 is not.
+    assert (paths["bias_cosine"], paths["bias_cosine_median"]) == (pytest.approx(2.0), pytest.approx(1.1))
+    # Tree minus GRPO on a and b: -0.4 and -0.4 (no spread); paths minus the tree on a and b: 0.3 and 0.6,
+    # mean 0.45, se 0.15, t(0.975, 1) = 12.7062.
+    assert (tree["bias_minus_grpo"], tree["bias_minus_grpo_low"]) == (pytest.approx(-0.4), pytest.approx(-0.4))
+    assert (paths["bias_minus_tree"], paths["bias_minus_tree_low"], paths["bias_minus_tree_high"]) == (
+        pytest.approx(0.45), pytest.approx(0.45 - 12.7062 * 0.15, abs=1e-4), pytest.approx(0.45 + 12.7062 * 0.15, abs=1e-4))
+    # paths minus GRPO over all three prompts: -0.1, 0.2, 2.9.
+    assert paths["bias_minus_grpo"] == pytest.approx(1.0)
+
+
 def test_the_averaging_curve_is_each_m_draws_tokens_and_their_means_cosine_over_prompts():
     """averaging_curves: m draws' tokens (m times the mean tokens a draw) against the mean over prompts of
     the cosine of the mean of each prompt's first m draws, over the prompts where it is defined: prompt b
