@@ -43,10 +43,7 @@ def calibration_plot(rows: Sequence[tuple[str, ValueRow]], path: Path) -> Path:
     axes.set_ylabel(f"estimated value ({', '.join(str(e) for e, _ in samples)} continuations, as SPO-chain)")
     axes.set_title("Monte Carlo values against a reference")
     axes.legend(loc="upper left")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return _save(plt, figure, path)
 
 
 def gradient_plot(prompt_draws: dict[tuple, dict[str, list]], path: Path) -> Path:
@@ -74,15 +71,9 @@ def gradient_plot(prompt_draws: dict[tuple, dict[str, list]], path: Path) -> Pat
             for tokens, interval in points:
                 if interval.low is not None:
                     panel.plot([tokens, tokens], [interval.low, interval.high], color=colour, linewidth=1.5)
-        panel.set_xscale("log")
-        panel.set_xlabel("generated tokens a draw (log)")
-        panel.set_ylabel("cosine with the true gradient (corrected)")
-        panel.set_title(f"{policy} policy: small points one prompt each, large the mean over prompts", fontsize=9)
-        panel.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+        _label_token_panel(panel, "generated tokens a draw (log)", "cosine with the true gradient (corrected)",
+                           f"{policy} policy: small points one prompt each, large the mean over prompts")
+    return _save(plt, figure, path)
 
 
 def averaging_plot(curves: dict[tuple[str, str, str], list[tuple[float, float, int]]], path: Path) -> Path:
@@ -100,11 +91,20 @@ def averaging_plot(curves: dict[tuple[str, str, str], list[tuple[float, float, i
             colour = colours.setdefault(estimator, f"C{len(colours) % 10}")
             panel.plot([t for t, _, _ in curve], [c for _, c, _ in curve], "o-", color=colour, label=estimator)
         panel.axhline(1.0, color="black", linewidth=0.6)
-        panel.set_xscale("log")
-        panel.set_xlabel("generated tokens of the draws averaged (log)")
-        panel.set_ylabel("corrected cosine of the draws' mean")
-        panel.set_title(f"{policy} policy, {parameters}: 1, 2, ... draws averaged, mean over prompts", fontsize=9)
-        panel.legend(fontsize=7)
+        _label_token_panel(panel, "generated tokens of the draws averaged (log)", "corrected cosine of the draws' mean",
+                           f"{policy} policy, {parameters}: 1, 2, ... draws averaged, mean over prompts")
+    return _save(plt, figure, path)
+
+
+def _label_token_panel(panel, xlabel: str, ylabel: str, title: str) -> None:
+    panel.set_xscale("log")
+    panel.set_xlabel(xlabel)
+    panel.set_ylabel(ylabel)
+    panel.set_title(title, fontsize=9)
+    panel.legend(fontsize=7)
+
+
+def _save(plt, figure, path: Path) -> Path:
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -136,10 +136,7 @@ def along_plot(response: Sequence[ValueRow], tokens_text: str, path: Path) -> Pa
     axes.set_ylim(-0.05, 1.05)
     axes.set_title(f"V along {response[0].response_id}: " + _short(tokens_text, 70), fontsize=8)
     axes.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return _save(plt, figure, path)
 
 
 def _short(text: str, limit: int) -> str:
