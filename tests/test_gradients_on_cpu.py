@@ -14,6 +14,7 @@ import itertools
 import math
 import os
 import statistics
+from pathlib import Path
 
 import pytest
 import torch
@@ -126,6 +127,28 @@ def test_the_tokens_each_estimator_needs_to_match_grpo_at_its_largest_budget(tmp
     assert float(tree["tokens_to_match"]) == pytest.approx(math.sqrt(100 * 200), abs=0.05)
     assert chain["tokens_to_match"] == ""
     assert [r["tokens_to_match"] for r in matching if r["prompt_set"] == "steps3"] == ["", "141.4"]
+
+
+_COMMITTED = sorted(path.parent for path in (Path(__file__).parents[1] / "docs/results/gradients").glob("*/summary.csv"))
+
+
+def test_every_committed_gradient_result_has_its_draws():
+    assert "base" in {folder.name for folder in _COMMITTED}
+    assert all((folder / "draws.csv").is_file() for folder in _COMMITTED)
+
+
+@pytest.mark.parametrize("folder", _COMMITTED, ids=lambda folder: folder.name)
+def test_a_committed_gradient_result_recomputes_from_its_draws(folder, tmp_path):
+    """What RESULTS.md quotes is what ``--from-draws`` writes from the committed draws.csv today: every
+    table committed beside it, byte for byte."""
+    from spo_workbench.credit import gradients
+
+    gradients.summarise(folder / "draws.csv", tmp_path)
+    written = sorted(path.name for path in tmp_path.iterdir() if path.suffix in (".csv", ".md"))
+    committed = [name for name in written if (folder / name).is_file()]
+    assert {"summary.csv", "table.md", "cost.csv"} <= set(committed)
+    for name in committed:
+        assert (tmp_path / name).read_text() == (folder / name).read_text(), name
 
 
 def _kept_draws(path, draws):
