@@ -167,6 +167,30 @@ def _kept_draws(path, draws):
     return path
 
 
+def test_each_prompts_share_of_the_summary(tmp_path):
+    """prompts.csv: each prompt's mean corrected cosine (a zero update counting 0) and its difference from
+    GRPO on that prompt; their mean over prompts is the summary's figure."""
+    import csv
+
+    from spo_workbench.credit import gradients
+
+    draws = _kept_draws(tmp_path / "draws.csv", [
+        ("a", "grpo", 0.8), ("a", "spo_tree_6_6_6", 0.5), ("a", "spo_tree_6_6_6", "nan", 1),
+        ("b", "grpo", 0.6), ("b", "grpo", 0.4, 1), ("b", "spo_tree_6_6_6", 0.7)])
+    assert gradients.main(["--from-draws", str(draws), "--output-dir", str(tmp_path)]) == 0
+    with open(tmp_path / "prompts.csv", newline="") as handle:
+        rows = {(r["estimator"], r["prompt_uid"]): r for r in csv.DictReader(handle)}
+    assert sorted(rows) == [("grpo", "a"), ("grpo", "b"), ("spo_tree_6_6_6", "a"), ("spo_tree_6_6_6", "b")]
+    assert {k: r["prompt_set"] for k, r in rows.items()} == dict.fromkeys(rows, "steps4")
+    tree_a, tree_b = rows["spo_tree_6_6_6", "a"], rows["spo_tree_6_6_6", "b"]
+    assert (tree_a["draws"], tree_a["zero_updates"], float(tree_a["corrected_cosine"])) == ("2", "1", 0.25)
+    assert float(tree_a["minus_grpo"]) == pytest.approx(-0.55) and float(tree_b["minus_grpo"]) == pytest.approx(0.2)
+    assert rows["grpo", "b"]["minus_grpo"] == "" and float(rows["grpo", "b"]["corrected_cosine"]) == 0.5
+    with open(tmp_path / "summary.csv", newline="") as handle:
+        summary = {(r["prompt_set"], r["estimator"]): r for r in csv.DictReader(handle)}
+    assert float(summary["all", "spo_tree_6_6_6"]["minus_grpo"]) == pytest.approx((-0.55 + 0.2) / 2)
+
+
 def test_each_tree_with_pooled_values_against_its_own_values_on_the_same_draws(tmp_path):
     """pooled.csv from a kept draws.csv: on three prompts the pooled tree's corrected cosine is 0.1, 0.2 and
     0.3 above the tree's own (one of its own draws a zero update, counting 0); a pooled tree without its

@@ -437,6 +437,25 @@ def summary_rows(draws_csv: Path, reference: str = "grpo") -> list[dict]:
     return out
 
 
+def prompt_rows(draws_csv: Path, reference: str = "grpo") -> list[dict]:
+    """Per (policy, parameters, estimator, budget, prompt): what :func:`summary_rows` averages over prompts,
+    the prompt's draws, zero updates, mean tokens and mean corrected cosine (a zero update counting 0),
+    and its difference from ``reference`` on the same prompt, so one prompt's share of a verdict shows."""
+    per_prompt = {key: prompts for key, prompts in prompt_draws(draws_csv).items() if key[1] != "all"}
+    out = []
+    for key, prompts in sorted(per_prompt.items()):
+        means = _prompt_means(prompts)
+        base = per_prompt.get((*key[:3], reference, key[4]))
+        base_means = _prompt_means(base) if base is not None and key[3] != reference else {}
+        for uid, draws in sorted(prompts.items()):
+            out.append({"policy": key[0], "prompt_set": key[1], "parameters": key[2], "estimator": key[3],
+                        "budget": key[4], "prompt_uid": uid.split("/", 1)[1], "draws": len(draws),
+                        "zero_updates": sum(d.zero_update for d in draws),
+                        "tokens": statistics.fmean(d.tokens for d in draws), "corrected_cosine": means[uid],
+                        f"minus_{reference}": means[uid] - base_means[uid] if uid in base_means else None})
+    return out
+
+
 def _prompt_means(prompts: dict[str, list[MeasuredDraw]]) -> dict[str, float]:
     """Each prompt's mean alignment over its draws (a zero update counting 0)."""
     return {uid: statistics.fmean(d.alignment for d in draws) for uid, draws in prompts.items()}
@@ -865,13 +884,16 @@ def main(argv=None) -> int:
 
 
 def summarise(draws_csv: Path, output_dir: Path) -> list[dict]:
-    """summary.csv (and as Markdown, table.md), matching.csv, pooled.csv, cost.csv and the plot of corrected cosine
+    """summary.csv (and as Markdown, table.md), prompts.csv, matching.csv, pooled.csv, cost.csv and the plot of corrected cosine
     against tokens, from ``draws_csv`` alone."""
     from spo_workbench.credit.figures import averaging_plot, gradient_plot
 
     summary = write_summary(draws_csv, output_dir / "summary.csv")
     (output_dir / "table.md").write_text(render_summary(summary))
     write_matching(summary, output_dir / "matching.csv")
+    _write_table(output_dir / "prompts.csv", ["policy", "prompt_set", "parameters", "estimator", "budget", "prompt_uid",
+                                              "draws", "zero_updates", "tokens", "corrected_cosine", "minus_grpo"],
+                 prompt_rows(draws_csv))
     _write_table(output_dir / "pooled.csv", ["policy", "prompt_set", "parameters", "tree", "budget", "prompts",
                                              "pooled_minus_own", "se", "low", "high", "detectable", "verdict"],
                  pooled_rows(draws_csv))
@@ -897,7 +919,7 @@ def summarise(draws_csv: Path, output_dir: Path) -> list[dict]:
             extra = f"  minus grpo {row['minus_grpo']:+.3f} [{row['low']:+.3f}, {row['high']:+.3f}]" if row.get("low") is not None else ""
             print(f"gradients: {row['policy']} {row['estimator']:<24} {row['budget']:>6} tokens {row['tokens']:>7.0f} "
                   f"corrected cosine {row['corrected_cosine']:.3f}{extra}")
-    print(f"gradients: summary.csv, table.md, matching.csv, pooled.csv, weights.csv, bias.csv, bias_summary.csv, cost.csv, "
+    print(f"gradients: summary.csv, table.md, prompts.csv, matching.csv, pooled.csv, weights.csv, bias.csv, bias_summary.csv, cost.csv, "
           f"cosine_vs_tokens.png{', cosine_of_mean_vs_tokens.png' if bias else ''} in {output_dir}")
     return summary
 
