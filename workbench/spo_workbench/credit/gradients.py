@@ -17,7 +17,7 @@ the same arguments it reuses the prompts, references and costs it kept, and skip
 ``draws.csv``. ``summary.csv``: each estimator's mean corrected cosine a budget (a draw whose update is
 zero counts 0, and their number is a column), and against GRPO paired over prompts (mean, standard
 error, 95 % interval, the smallest difference found with 80 % power); ``table.md`` the same as a
-Markdown table. ``matching.csv``: the generated tokens each estimator needs to reach GRPO's mean
+Markdown table; ``prompts.csv`` each prompt's share of it. ``matching.csv``: the generated tokens each estimator needs to reach GRPO's mean
 corrected cosine at GRPO's largest budget. ``pooled.csv``: each tree with its values pooled over
 identical prefixes against the same tree with its own, paired over prompts; ``weights.csv`` each tree
 under another segment weighting (``algorithm.spo.tree.segment_weight``) against the paper's, on the same
